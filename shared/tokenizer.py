@@ -1,0 +1,35 @@
+"""A thin wrapper over the HF tokenizer: encode, decode, chat template, end-of-sequence ids."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        from transformers import AutoTokenizer
+
+        model_dir = Path(model_dir)
+        self.hf = AutoTokenizer.from_pretrained(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        eos = config.get("eos_token_id", self.hf.eos_token_id)
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_token_ids: set[int] = {int(e) for e in eos if e is not None}
+        if self.hf.eos_token_id is not None:
+            self.eos_token_ids.add(int(self.hf.eos_token_id))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=True)
+
+    def token_to_str(self, token_id: int) -> str:
+        return self.hf.convert_ids_to_tokens(int(token_id)) or ""
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation, ending with the prompt for the assistant's reply."""
+        if not self.hf.chat_template:
+            raise ValueError("chat: this model's tokenizer has no chat template; use generate() with plain text")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode(text)

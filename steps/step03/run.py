@@ -1,0 +1,60 @@
+"""step03 demo: answer one question, then show that a KV cache keeps the cost per token flat."""
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `shared` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    __package__ = "steps." + Path(__file__).parent.name
+
+import torch
+
+from shared import SamplingParams
+from shared.cli import format_table, per_token_ms, print_header, step_arg_parser
+
+from .engine import LLM
+from .model import KVCache
+
+
+def main() -> None:
+    parser = step_arg_parser(__doc__, max_tokens=64)
+    parser.add_argument("--growth-tokens", type=int, default=256, help="tokens for the ms/token table (default: %(default)s)")
+    args = parser.parse_args()
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    print_header("step03: KV cache", llm)
+
+    conversation = [{"role": "user", "content": args.prompt}]
+    out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=args.max_tokens))[0]
+    print(f"\nQ: {args.prompt}\nA: {out.outputs[0].text.strip()}   [{len(out.outputs[0].token_ids)} tokens, "
+          f"finish_reason={out.outputs[0].finish_reason}]")
+
+    # The lesson's figure: with the cache, each token costs about the same however long the sequence is.
+    out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=args.growth_tokens, ignore_eos=True))[0]
+    ms = per_token_ms(out.metrics.token_times, out.metrics.arrival_time)
+    prompt_len = len(out.prompt_token_ids)
+    marks = [n for n in (2, 8, 16, 32, 64, 128, 256, 512) if n <= len(ms)]
+    rows = [[n, prompt_len + n - 1, f"{ms[n - 1]:.1f}"] for n in marks]
+    print(f"\nms per token while generating {len(ms)} tokens (greedy, ignore_eos; token 1 includes the prefill):")
+    print(format_table(["token #", "sequence length", "ms/token"], rows))
+
+    # step02 pays, for token n, one forward over the whole sequence. Measure that cost with this same model
+    # by running the full sequence through an empty cache (exactly step02's work for that token).
+    full = torch.tensor(out.prompt_token_ids + out.outputs[0].token_ids[:-1], device=llm.device)
+    timings = []
+    for _ in range(3):
+        cache = KVCache(llm.model.config, len(full), llm.device, llm.dtype)
+        if llm.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.model.forward(full, 0, cache)
+        if llm.device.type == "cuda":
+            torch.cuda.synchronize()
+        timings.append((time.perf_counter() - start) * 1000)
+    no_cache_ms = sorted(timings)[1]
+    cached_ms = sorted(ms[-8:])[4]  # median of the last 8 decode steps
+    print(f"\nat token {len(ms)} (sequence {len(full)}): {cached_ms:.1f} ms with the cache, "
+          f"{no_cache_ms:.1f} ms re-running the whole sequence (step02's way): {no_cache_ms / cached_ms:.1f}x speed-up")
+
+
+if __name__ == "__main__":
+    main()
