@@ -1,0 +1,55 @@
+"""Helpers for the tests: importing a step's engine, comparing outputs, the tolerances (in one place)."""
+from __future__ import annotations
+
+import importlib
+import math
+
+# Tolerances, justified by measurement (see docs/reference/testing.md):
+# - step01 vs HF transformers, fp32 logits: same math, different op order. Measured max |diff| 5.8e-5
+#   on smollm2-135m over a 45-token sequence; the bound leaves ~10x headroom.
+HF_LOGITS_ATOL_FP32 = 5e-4
+# - consecutive steps, fp32: a KV cache or a batch changes matmul shapes and so the rounding order.
+#   Differences measured so far are below 1e-4; the bound leaves headroom.
+STEP_LOGPROB_ATOL_FP32 = 1e-3
+# - any step vs HF in bf16 on the GPU: bf16 keeps 8 bits of mantissa, so logits wobble by ~1e-2
+#   relative; logprobs of the chosen tokens are compared on average and at worst.
+BF16_LOGPROB_MEAN_ATOL = 0.05
+BF16_LOGPROB_MAX_ATOL = 0.5
+# - the vLLM rule: at the first position where two runs choose different tokens, each side's token
+#   must be among the other's top-k candidates (a near-tie broken differently, not a bug).
+VLLM_RULE_TOP_K = 5
+
+
+def load_engine(step: str):
+    """The `engine` module of steps/<step>."""
+    return importlib.import_module(f"steps.{step}.engine")
+
+
+def chosen_logprobs(completion) -> list[float]:
+    return [lp[t] for t, lp in zip(completion.token_ids, completion.logprobs)]
+
+
+def compare_completions(a, b, logprob_atol: float, exact: bool = True, label: str = "") -> float:
+    """Assert two completions agree. exact=True: identical tokens. exact=False: the vLLM rule.
+
+    Returns the largest |logprob difference| over the compared tokens.
+    """
+    ta, tb = list(a.token_ids), list(b.token_ids)
+    n = min(len(ta), len(tb))
+    first_diff = next((i for i in range(n) if ta[i] != tb[i]), None)
+    if exact:
+        assert ta == tb, f"{label}: tokens differ at position {first_diff}: {ta[:first_diff + 3] if first_diff is not None else ta} vs {tb[:first_diff + 3] if first_diff is not None else tb}"
+        assert a.finish_reason == b.finish_reason, f"{label}: finish_reason {a.finish_reason} vs {b.finish_reason}"
+    elif first_diff is not None:
+        top_a = sorted(a.logprobs[first_diff], key=a.logprobs[first_diff].get, reverse=True)[:VLLM_RULE_TOP_K]
+        top_b = sorted(b.logprobs[first_diff], key=b.logprobs[first_diff].get, reverse=True)[:VLLM_RULE_TOP_K]
+        assert tb[first_diff] in top_a and ta[first_diff] in top_b, (
+            f"{label}: first divergence at {first_diff}: {ta[first_diff]} vs {tb[first_diff]} not in each other's top-{VLLM_RULE_TOP_K}")
+        n = first_diff
+    worst = 0.0
+    for i in range(n):
+        la, lb = a.logprobs[i][ta[i]], b.logprobs[i][tb[i]]
+        assert math.isfinite(la) and math.isfinite(lb), f"{label}: non-finite logprob at {i}"
+        worst = max(worst, abs(la - lb))
+    assert worst <= logprob_atol, f"{label}: logprob differs by {worst:.2e} > {logprob_atol:.0e}"
+    return worst

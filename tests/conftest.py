@@ -1,0 +1,54 @@
+import functools
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# The step list: a new step joins every equivalence and API test by being added here.
+STEPS = ["step01", "step02", "step03"]
+# The prompts the equivalence harness runs through every step (chat questions and plain text).
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+]
+TEXT_PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    "]
+EQUIV_MAX_TOKENS = 32
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def equivalence_prompts(tokenizer) -> list[list[int]]:
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_PROMPTS]
+    return chats + [tokenizer.encode(t) for t in TEXT_PROMPTS]
+
+
+@functools.lru_cache(maxsize=None)
+def greedy_outputs(step: str, model: str):
+    """Each step's greedy outputs on the harness prompts, computed once per test session (CPU, fp32)."""
+    from shared import SamplingParams
+    from shared.testing import load_engine
+
+    llm = load_engine(step).LLM(model, device="cpu", dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=EQUIV_MAX_TOKENS, logprobs=5)
+    return llm.generate(equivalence_prompts(llm.tokenizer), params)
+
+
+@functools.lru_cache(maxsize=4)
+def cached_llm(step: str, model: str):
+    from shared.testing import load_engine
+
+    return load_engine(step).LLM(model, device="cpu", dtype="float32")

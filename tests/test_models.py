@@ -1,0 +1,35 @@
+"""The model zoo: the embedded model converts, random models are seeded and have random norms."""
+import json
+
+import torch
+
+from shared.models import RANDOM_SHAPES, _hf_config_dict, make_random_weights, resolve_model
+
+
+def test_random_weights_are_deterministic_and_norms_are_not_ones():
+    cfg = _hf_config_dict(RANDOM_SHAPES["tiny-llama"])
+    a, b = make_random_weights(cfg), make_random_weights(cfg)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c = make_random_weights(cfg, seed=99)
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+    norms = [k for k in a if k.endswith("norm.weight")]
+    assert len(norms) == 2 * cfg["num_hidden_layers"] + 1
+    for k in norms:
+        assert not torch.allclose(a[k], torch.ones_like(a[k]))
+    assert "lm_head.weight" in a  # tiny-llama has untied embeddings
+
+
+def test_random_qwen3_has_qk_norms():
+    names = {n for n, _ in __import__("shared.models", fromlist=["x"]).random_weight_names(
+        _hf_config_dict(RANDOM_SHAPES["qwen3-0.6b"]))}
+    assert "model.layers.0.self_attn.q_norm.weight" in names and "lm_head.weight" not in names
+
+
+def test_embedded_model_is_the_real_smollm2():
+    folder = resolve_model("smollm2-135m")
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"]) == ("llama", 30, 576)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (9, 3, True)
+    assert "quantization_config" not in config  # saved as plain fp32 safetensors
+    assert (folder / "tokenizer.json").is_file()
