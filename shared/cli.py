@@ -26,7 +26,10 @@ def print_header(title: str, llm) -> None:
 def format_table(headers: list[str], rows: list[list]) -> str:
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    # numbers (and ratios like 1.5x) are right-aligned, words left-aligned
+    numeric = [all(_is_number(row[i]) for row in cells[1:]) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip()
+             for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -35,3 +38,11 @@ def per_token_ms(token_times: list[float], arrival_time: float) -> list[float]:
     """Milliseconds spent on each generated token (the first includes the prompt's processing)."""
     times = [arrival_time] + list(token_times)
     return [(b - a) * 1000 for a, b in zip(times, times[1:])]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.rstrip("x%"))
+        return True
+    except ValueError:
+        return text in ("-", "None")

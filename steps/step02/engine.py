@@ -36,7 +36,9 @@ class LLM:
         params = normalize_sampling_params(sampling_params, len(prompts), SamplingParams(temperature=0))
         for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
             check_length(i, len(ids), sp, self.max_model_len)
-        return [self._generate_one(str(i), text, ids, sp) for i, ((text, ids), sp) in enumerate(zip(prompts, params))]
+        arrival = time.perf_counter()  # every request arrives now; they are served one after another
+        return [self._generate_one(str(i), text, ids, sp, arrival)
+                for i, ((text, ids), sp) in enumerate(zip(prompts, params))]
 
     def chat(self, conversations, sampling_params=None) -> list[RequestOutput]:
         prompts = [self.tokenizer.apply_chat_template(c) for c in check_conversations(conversations)]
@@ -58,8 +60,9 @@ class LLM:
             return "length", None, text
         return None
 
-    def _generate_one(self, request_id: str, prompt: str | None, prompt_ids: list[int], sp: SamplingParams) -> RequestOutput:
-        metrics = RequestMetrics(arrival_time=time.perf_counter())
+    def _generate_one(self, request_id: str, prompt: str | None, prompt_ids: list[int], sp: SamplingParams,
+                      arrival: float) -> RequestOutput:
+        metrics = RequestMetrics(arrival_time=arrival)
         tokens = list(prompt_ids)
         output_ids: list[int] = []
         logprobs: list[dict[int, float]] | None = [] if sp.logprobs is not None else None

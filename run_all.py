@@ -1,0 +1,123 @@
+"""Run every step in order.
+
+    python run_all.py            each step's run.py, then a table: step, title, ok, seconds
+    python run_all.py --bench    one fixed workload through every step's LLM: tokens/s, time to first
+                                 token, peak memory, relative to step01 and to the previous step
+
+Both take --model/--device/--dtype (passed to every step) and --steps to pick some steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from shared.cli import format_table  # noqa: E402
+
+
+def step_key(name: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\d+", name)] + [0]
+
+
+def all_steps() -> list[str]:
+    found = [p.name for p in (ROOT / "steps").iterdir() if p.is_dir() and re.fullmatch(r"step\d+(_\d+)?", p.name)]
+    return sorted(found, key=step_key)
+
+
+def step_title(step: str) -> str:
+    first = (ROOT / "steps" / step / "README.md").read_text().splitlines()[0]
+    return first.lstrip("# ").split(":", 1)[-1].strip()
+
+
+def passthrough_args(args) -> list[str]:
+    extra = []
+    for flag in ("model", "device", "dtype"):
+        if getattr(args, flag):
+            extra += [f"--{flag}", getattr(args, flag)]
+    return extra
+
+
+def run_scripts(steps: list[str], args) -> int:
+    rows, failures = [], 0
+    for i, step in enumerate(steps, 1):
+        print(f"\n[{i}/{len(steps)}] python steps/{step}/run.py {' '.join(passthrough_args(args))}", flush=True)
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, str(ROOT / "steps" / step / "run.py"), *passthrough_args(args)],
+                              cwd=ROOT, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        print("    " + proc.stdout.strip().replace("\n", "\n    "))
+        if proc.returncode != 0:
+            failures += 1
+            print("    FAILED:\n    " + proc.stderr.strip()[-3000:].replace("\n", "\n    "))
+        rows.append([step, step_title(step), "ok" if proc.returncode == 0 else "FAILED", f"{seconds:.1f}"])
+    print("\n" + format_table(["step", "title", "ok", "seconds"], rows))
+    return 1 if failures else 0
+
+
+def run_bench(steps: list[str], args) -> int:
+    results = []
+    for i, step in enumerate(steps, 1):
+        print(f"[{i}/{len(steps)}] benchmarking {step} ({args.workload} workload) ...", flush=True)
+        cmd = [sys.executable, "-m", "shared.bench", "--step", step, "--workload", args.workload,
+               "--max-tokens", str(args.max_tokens), *passthrough_args(args)]
+        if args.repeat:
+            cmd += ["--repeat", str(args.repeat)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("BENCH_JSON ")), None)
+        if proc.returncode != 0 or line is None:
+            print(f"    FAILED:\n    {proc.stderr.strip()[-3000:]}")
+            return 1
+        results.append(json.loads(line[len("BENCH_JSON "):]))
+    first = results[0]
+    print(f"\nworkload: {args.workload}, {first['requests']} requests x {args.max_tokens} new tokens, greedy; "
+          f"model {first['model']}, device {first['device']}, dtype {first['dtype']}; "
+          f"median of {first['repeat']} run(s)")
+    rows, prev = [], None
+    for r in results:
+        rows.append([r["step"], f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x",
+                     f"{r['tokens_per_s'] / prev['tokens_per_s']:.2f}x" if prev else "-",
+                     f"{r['ttft_median_ms']:.0f}", f"{r['peak_memory_mb']:.0f}"])
+        prev = r
+    print(format_table(["step", "tokens/s", "vs step01", "vs prev", "TTFT median ms",
+                        f"peak MB ({first['peak_memory_kind']})"], rows))
+    if "roofline_tokens_per_s_batch1" in first:
+        print(f"roofline for batch-1 decode: {first['roofline_tokens_per_s_batch1']:.0f} tokens/s "
+              f"({first['weight_mb']:.0f} MB of weights read per token at {first['bandwidth_gbs']:.0f} GB/s measured)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2))
+        print(f"results written to {args.json}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bench", action="store_true", help="run the benchmark instead of the demos")
+    parser.add_argument("--steps", default=None, help="comma-separated steps (default: all)")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--workload", default="standard", help="benchmark workload (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="benchmark: new tokens per request")
+    parser.add_argument("--repeat", type=int, default=None, help="benchmark: runs per step (default: 3 on cuda, 1 on cpu)")
+    parser.add_argument("--json", default=None, help="benchmark: also write the results to this JSON file")
+    args = parser.parse_args()
+    steps = all_steps()
+    if args.steps:
+        wanted = args.steps.split(",")
+        unknown = [s for s in wanted if s not in steps]
+        if unknown:
+            parser.error(f"--steps: unknown {unknown}; known: {steps}")
+        steps = [s for s in steps if s in wanted]
+    return run_bench(steps, args) if args.bench else run_scripts(steps, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
