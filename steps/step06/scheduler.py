@@ -1,0 +1,49 @@
+"""Continuous batching with chunked prefill: which tokens run in the next iteration.
+
+Requests wait in arrival order; up to max_num_seqs of them run at once. Every iteration has a budget of
+max_num_batched_tokens tokens. Running requests that decode come first (one token each); what is left
+of the budget goes to prompts: first the prompts that fit whole, then chunks of longer prompts in
+arrival order. A long prompt is prefilled over several iterations and never stalls the decodes.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque = deque()  # arrived, not started
+        self.running: list = []  # started: each holds a KV cache
+
+    def add(self, request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list, list[tuple]]:
+        """-> (requests that decode one token, [(request, number of prompt tokens to prefill)])."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            self.running.append(self.waiting.popleft())
+        budget = self.max_num_batched_tokens
+        # A request decodes when exactly one of its tokens (the newest) has no KV yet.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1][:budget]
+        budget -= len(decodes)
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        chunks = []
+        for r in prefilling:  # prompts that fit whole go first: a short request never waits behind a long one
+            remaining = r.num_tokens - r.num_computed_tokens
+            if remaining <= budget:
+                chunks.append((r, remaining))
+                budget -= remaining
+        for r in prefilling:  # the rest of the budget: chunks of the longer prompts, in arrival order
+            if budget > 0 and all(r is not c for c, _ in chunks):
+                n = min(r.num_tokens - r.num_computed_tokens, budget)
+                chunks.append((r, n))
+                budget -= n
+        return decodes, chunks
+
+    def finish(self, request) -> None:
+        self.running.remove(request)
