@@ -76,7 +76,9 @@ def run_bench(steps: list[str], args) -> int:
             return 1
         results.append(json.loads(line[len("BENCH_JSON "):]))
     first = results[0]
-    print(f"\nworkload: {args.workload}, {first['requests']} requests x {args.max_tokens} new tokens, greedy; "
+    shape = (f"{first['requests']} requests x {args.max_tokens} new tokens" if args.workload == "standard" else
+             f"{first['requests']} requests, prompts of 8-192 tokens, 8-{args.max_tokens} new tokens each (seeded)")
+    print(f"\nworkload: {args.workload}, {shape}, greedy; "
           f"model {first['model']}, device {first['device']}, dtype {first['dtype']}; "
           f"median of {first['repeat']} run(s)")
     rows, prev = [], None
@@ -85,7 +87,7 @@ def run_bench(steps: list[str], args) -> int:
                      f"{r['tokens_per_s'] / prev['tokens_per_s']:.2f}x" if prev else "-",
                      f"{r['ttft_median_ms']:.0f}", f"{r['peak_memory_mb']:.0f}"])
         prev = r
-    print(format_table(["step", "tokens/s", "vs step01", "vs prev", "TTFT median ms",
+    print(format_table(["step", "tokens/s", f"vs {first['step']}", "vs prev", "TTFT median ms",
                         f"peak MB ({first['peak_memory_kind']})"], rows))
     if "roofline_tokens_per_s_batch1" in first:
         print(f"roofline for batch-1 decode: {first['roofline_tokens_per_s_batch1']:.0f} tokens/s "
@@ -104,7 +106,8 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--workload", default="standard", help="benchmark workload (default: %(default)s)")
+    parser.add_argument("--workload", default="standard", choices=["standard", "mixed"],
+                        help="benchmark workload: standard (4 chat questions) or mixed (64 requests of mixed lengths)")
     parser.add_argument("--max-tokens", type=int, default=128, help="benchmark: new tokens per request")
     parser.add_argument("--repeat", type=int, default=None, help="benchmark: runs per step (default: 3 on cuda, 1 on cpu)")
     parser.add_argument("--json", default=None, help="benchmark: also write the results to this JSON file")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import resource
 import statistics
 import sys
@@ -35,7 +36,18 @@ def standard_workload(tokenizer, max_tokens: int = 128):
     return prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-WORKLOADS = {"standard": standard_workload}
+def mixed_workload(tokenizer, max_tokens: int = 128, num_requests: int = 64, seed: int = 2024):
+    """Many requests of mixed lengths, where batching matters: prompt lengths 8-192 and output lengths
+    8-max_tokens drawn from a fixed seed; prompts are random token ids (the work, not the text, matters)."""
+    rng = random.Random(seed)
+    vocab = tokenizer.hf.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(8, 192))] for _ in range(num_requests)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(8, max_tokens), ignore_eos=True)
+              for _ in range(num_requests)]
+    return prompts, params
+
+
+WORKLOADS = {"standard": standard_workload, "mixed": mixed_workload}
 
 
 def _sync(device) -> None:

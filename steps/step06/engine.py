@@ -107,6 +107,9 @@ class LLM:
         """One iteration: decode one token for every decoding request, then prefill the scheduled prompt
         chunks, all within the token budget. Returns the requests that finished in this iteration."""
         decodes, chunks = self.scheduler.schedule()
+        for r in decodes + [r for r, _ in chunks]:  # a request's cache is allocated when it first runs
+            if r.cache is None:
+                r.cache = KVCache(self.model.config, len(r.prompt_ids) + r.params.max_tokens, self.device, self.dtype)
         if decodes:  # decodes first: a long prompt arriving does not stall the running requests
             self.stats["decode_steps"] += 1
             self.stats["decode_rows"] += len(decodes)
@@ -117,8 +120,6 @@ class LLM:
                 self._append_token(r, row_logits)
         for r, n in chunks:  # prompts differ in length: one forward per chunk
             self.stats["prefill_chunks"] += 1
-            if r.cache is None:
-                r.cache = KVCache(self.model.config, len(r.prompt_ids) + r.params.max_tokens, self.device, self.dtype)
             start = r.num_computed_tokens
             chunk = torch.tensor([r.token_ids[start:start + n]], device=self.device)  # [1, n]
             logits = self.model.forward(chunk, [start], [r.cache])

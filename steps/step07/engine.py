@@ -123,7 +123,7 @@ class LLM:
         """One iteration: decode one token for every decoding request, then prefill the scheduled prompt
         chunks, all within the token budget. Returns the requests that finished in this iteration."""
         decodes, chunks = self.scheduler.schedule()
-        for r in decodes + [r for r, _ in chunks]:  # caches follow the scheduler's reservations
+        for r in decodes + [r for r, _ in chunks]:  # a cache follows its request's reservation
             if r.cache is None:
                 r.cache = KVCache(self.model.config, r.reserved_tokens, self.device, self.dtype)
             elif r.cache.capacity < r.reserved_tokens:

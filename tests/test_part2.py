@@ -1,0 +1,151 @@
+"""Part 2 (steps 04-07): batching, scheduling, chunking and preemption never change what a request gets."""
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import STEPS, cached_llm
+from shared import SamplingParams
+from shared.testing import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
+
+PART2 = [s for s in ["step04", "step05", "step06", "step07"] if s in STEPS]
+SCHEDULED = [s for s in PART2 if s != "step04"]  # the steps with a scheduler (add_request / step)
+CHUNKED = [s for s in SCHEDULED if s != "step05"]
+TINY = "random:tiny-llama"
+
+_rng = random.Random(0)
+PROMPTS = [[_rng.randrange(49152) for _ in range(n)] for n in (3, 17, 5, 40, 9, 28, 1, 12)]
+MAX_TOKENS = [6, 24, 1, 12, 18, 3, 9, 15]
+
+
+def greedy(max_tokens):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5, ignore_eos=True)
+
+
+def reference(params):
+    """Each request alone through step03 (no batching at all)."""
+    llm = cached_llm("step03", TINY)
+    return [llm.generate([p], sp)[0].outputs[0] for p, sp in zip(PROMPTS, params)]
+
+
+def assert_same(outputs, expected, label):
+    assert len(outputs) == len(expected)
+    for i, (a, b) in enumerate(zip(outputs, expected)):
+        compare_completions(a, b, STEP_LOGPROB_ATOL_FP32, exact=True, label=f"{label} request {i}")
+
+
+@pytest.mark.parametrize("step", PART2)
+def test_each_request_equals_its_single_request_output(step):
+    params = [greedy(n) for n in MAX_TOKENS]
+    outs = cached_llm(step, TINY).generate(PROMPTS, params)
+    assert_same([o.outputs[0] for o in outs], reference(params), step)
+
+
+@pytest.mark.parametrize("step", PART2)
+def test_mixed_sampling_params_in_one_batch(step):
+    params = [greedy(n) if i % 2 == 0 else
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=100 + i, max_tokens=n, logprobs=5, ignore_eos=True)
+              for i, n in enumerate(MAX_TOKENS)]
+    outs = cached_llm(step, TINY).generate(PROMPTS, params)
+    assert_same([o.outputs[0] for o in outs], reference(params), step)
+
+
+def test_step04_counts_its_wasted_slots():
+    llm = load_engine("step04").LLM(TINY, device="cpu")
+    llm.generate([[1, 2, 3], list(range(10, 20))], [greedy(2), greedy(5)])
+    # prefill: 2 rows x 10 columns, 7 of them padding; then 4 decode forwards of 2 rows, of which the
+    # first request (finished after 2 tokens) wastes the last 3.
+    assert llm.stats == {"slots": 28, "padding": 7, "finished": 3}
+
+
+def drive(llm, order, gaps):
+    """Add requests in `order`, with gaps[i] step() calls before the i-th arrival; run to the end."""
+    params = [greedy(n) for n in MAX_TOKENS]
+    ids, done, iterations = {}, {}, 0
+    for index, gap in zip(order, gaps):
+        for _ in range(gap):
+            if llm.has_unfinished_requests():
+                done.update({o.request_id: o for o in llm.step()})
+        ids[index] = llm.add_request(PROMPTS[index], params[index])
+    while llm.has_unfinished_requests():
+        iterations += 1
+        assert iterations < 10_000, "the engine does not finish"
+        done.update({o.request_id: o for o in llm.step()})
+    assert set(done) == set(ids.values()), "every request finishes"
+    return [done[ids[i]].outputs[0] for i in range(len(PROMPTS))], params
+
+
+@pytest.mark.parametrize("step", SCHEDULED)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_arrivals_and_limits(step, data):
+    llm = cached_llm(step, TINY)
+    order = data.draw(st.permutations(range(len(PROMPTS))))
+    gaps = data.draw(st.lists(st.integers(0, 3), min_size=len(PROMPTS), max_size=len(PROMPTS)))
+    llm.scheduler.max_num_seqs = data.draw(st.integers(1, 5))
+    if step in CHUNKED:
+        llm.scheduler.max_num_batched_tokens = data.draw(st.sampled_from([1, 7, 64, 4096]))
+    if hasattr(llm.scheduler, "max_kv_tokens"):
+        llm.scheduler.max_kv_tokens = data.draw(st.sampled_from([64, 100, 4096]))  # 64: the largest request
+    outputs, params = drive(llm, order, gaps)
+    assert_same(outputs, reference(params), step)
+
+
+@pytest.mark.parametrize("step", CHUNKED)
+@pytest.mark.parametrize("budget", [1, 7, 64, 10_000])
+def test_chunked_prefill_any_budget(step, budget):
+    llm = load_engine(step).LLM(TINY, device="cpu", max_num_seqs=4, max_num_batched_tokens=budget)
+    params = [greedy(n) for n in MAX_TOKENS]
+    outs = llm.generate(PROMPTS, params)
+    assert_same([o.outputs[0] for o in outs], reference(params), f"{step} budget {budget}")
+    longer = sum(len(p) > budget for p in PROMPTS)  # prompts that cannot be prefilled in one chunk
+    assert llm.stats["prefill_chunks"] >= sum(len(p) > 1 for p in PROMPTS) + longer
+
+
+@pytest.mark.parametrize("step", [s for s in SCHEDULED if s == "step07"])
+def test_preemption_happens_and_changes_nothing(step):
+    llm = load_engine(step).LLM(TINY, device="cpu", max_num_seqs=8, max_kv_tokens=80)
+    params = [greedy(n) for n in MAX_TOKENS]
+    outs = llm.generate(PROMPTS, params)
+    assert llm.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+    assert_same([o.outputs[0] for o in outs], reference(params), step)
+    assert llm.scheduler.reserved_tokens == 0 and not llm.scheduler.running and not llm.scheduler.waiting
+
+
+@pytest.mark.parametrize("step", [s for s in SCHEDULED if s == "step07"])
+def test_preemption_on_the_real_model(step):
+    questions = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
+                 "List three uses of a paperclip."]
+    convs = [[{"role": "user", "content": q}] for q in questions]
+    sp = SamplingParams(temperature=0, max_tokens=40, logprobs=5, ignore_eos=True)
+    tight = load_engine(step).LLM("smollm2-135m", device="cpu", max_kv_tokens=200)
+    outs = tight.chat(convs, sp)
+    assert tight.scheduler.num_preemptions > 0
+    expected = cached_llm("step06", "smollm2-135m").chat(convs, sp)
+    assert_same([o.outputs[0] for o in outs], [o.outputs[0] for o in expected], step)
+
+
+@pytest.mark.parametrize("step", [s for s in SCHEDULED if s == "step07"])
+def test_a_request_that_can_never_fit_is_refused(step):
+    llm = load_engine(step).LLM(TINY, device="cpu", max_kv_tokens=50)
+    with pytest.raises(ValueError, match=r"prompt \(40 tokens\) \+ max_tokens \(20\) = 60 exceeds max_kv_tokens \(50\)"):
+        llm.generate([[1] * 40], SamplingParams(temperature=0, max_tokens=20))
+    with pytest.raises(ValueError, match="max_kv_tokens"):
+        llm.add_request([1] * 40, SamplingParams(temperature=0, max_tokens=20))
+    assert not llm.has_unfinished_requests()  # nothing half-queued
+    out = llm.generate([[1] * 40], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))  # exactly fits
+    assert len(out[0].outputs[0].token_ids) == 10
+
+
+@pytest.mark.parametrize("step", SCHEDULED)
+def test_bad_options(step):
+    LLM = load_engine(step).LLM
+    with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1, got 0"):
+        LLM(TINY, device="cpu", max_num_seqs=0)
+    if step in CHUNKED:
+        with pytest.raises(ValueError, match="max_num_batched_tokens must be an integer >= 1, got 0"):
+            LLM(TINY, device="cpu", max_num_batched_tokens=0)
+    if step == "step07":
+        with pytest.raises(ValueError, match="max_kv_tokens must be an integer >= 1, got -5"):
+            LLM(TINY, device="cpu", max_kv_tokens=-5)
