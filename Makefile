@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python steps/step07/run.py
+	$(BIN)/python steps/step09/run.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -76,8 +76,10 @@ def run_bench(steps: list[str], args) -> int:
             return 1
         results.append(json.loads(line[len("BENCH_JSON "):]))
     first = results[0]
-    shape = (f"{first['requests']} requests x {args.max_tokens} new tokens" if args.workload == "standard" else
-             f"{first['requests']} requests, prompts of 8-192 tokens, 8-{args.max_tokens} new tokens each (seeded)")
+    shape = {"standard": f"{first['requests']} requests x {args.max_tokens} new tokens",
+             "mixed": f"{first['requests']} requests, prompts of 8-192 tokens, 8-{args.max_tokens} new tokens each (seeded)",
+             "shared-prefix": f"{first['requests']} requests sharing a ~410-token system prompt, 32 new tokens each",
+             }[args.workload]
     print(f"\nworkload: {args.workload}, {shape}, greedy; "
           f"model {first['model']}, device {first['device']}, dtype {first['dtype']}; "
           f"median of {first['repeat']} run(s)")
@@ -106,8 +108,9 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--workload", default="standard", choices=["standard", "mixed"],
-                        help="benchmark workload: standard (4 chat questions) or mixed (64 requests of mixed lengths)")
+    parser.add_argument("--workload", default="standard", choices=["standard", "mixed", "shared-prefix"],
+                        help="benchmark workload: standard (4 chat questions), mixed (64 requests of mixed lengths) "
+                             "or shared-prefix (32 requests sharing a long system prompt)")
     parser.add_argument("--max-tokens", type=int, default=128, help="benchmark: new tokens per request")
     parser.add_argument("--repeat", type=int, default=None, help="benchmark: runs per step (default: 3 on cuda, 1 on cpu)")
     parser.add_argument("--json", default=None, help="benchmark: also write the results to this JSON file")

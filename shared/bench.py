@@ -47,7 +47,21 @@ def mixed_workload(tokenizer, max_tokens: int = 128, num_requests: int = 64, see
     return prompts, params
 
 
-WORKLOADS = {"standard": standard_workload, "mixed": mixed_workload}
+def shared_prefix_workload(tokenizer, max_tokens: int = 128, num_requests: int = 32, seed: int = 7):
+    """Requests that share a long system prompt (about 410 tokens), each with its own question, 32 new tokens:
+    where prefix caching matters. max_tokens is not used: the answers are kept short on purpose."""
+    rng = random.Random(seed)
+    words = ["library", "opens", "closes", "members", "borrow", "books", "weeks", "renew", "online", "late",
+             "returns", "cost", "reading", "room", "quiet", "children", "parents", "games", "laptops", "club"]
+    system = " ".join(rng.choice(words) for _ in range(400))
+    questions = [f"Question {i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 30)))
+                 for i in range(num_requests)]
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in questions]
+    return prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+WORKLOADS = {"standard": standard_workload, "mixed": mixed_workload, "shared-prefix": shared_prefix_workload}
 
 
 def _sync(device) -> None:
