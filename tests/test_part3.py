@@ -8,16 +8,11 @@ from hypothesis import strategies as st
 
 from conftest import STEPS, cached_llm
 from shared import SamplingParams
-from shared.testing import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
-from test_part2 import MAX_TOKENS, PROMPTS, TINY, greedy, reference
+from shared.testing import load_engine
+from test_part2 import MAX_TOKENS, PROMPTS, TINY, assert_same, greedy, reference
 
 PAGED = STEPS[STEPS.index("step08"):] if "step08" in STEPS else []
 PREFIX = STEPS[STEPS.index("step09"):] if "step09" in STEPS else []
-
-
-def assert_same(outputs, expected, label):
-    for i, (a, b) in enumerate(zip(outputs, expected)):
-        compare_completions(a, b, STEP_LOGPROB_ATOL_FP32, exact=True, label=f"{label} request {i}")
 
 
 @pytest.mark.parametrize("step", PAGED)
