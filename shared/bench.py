@@ -103,14 +103,14 @@ def decode_weight_bytes(model: str, bytes_per_weight: int) -> int:
 
 
 def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "standard", max_tokens: int = 128,
-              repeat: int | None = None, llm_kwargs: dict | None = None) -> dict:
+              repeat: int | None = None) -> dict:
     """Run the workload `repeat` times (default: 3 on CUDA, 1 on CPU) after a warm-up; report the median run."""
     import importlib
 
     import torch
 
     engine = importlib.import_module(f"steps.{step}.engine")
-    llm = engine.LLM(model, device=device, dtype=dtype, **(llm_kwargs or {}))
+    llm = engine.LLM(model, device=device, dtype=dtype)
     prompts, params = WORKLOADS[workload](llm.tokenizer, max_tokens)
     if repeat is None:
         repeat = 3 if llm.device.type == "cuda" else 1  # the CPU runs are long and steady; the GPU's are short

@@ -3,7 +3,7 @@ import json
 
 import torch
 
-from shared.models import RANDOM_SHAPES, _hf_config_dict, make_random_weights, resolve_model
+from shared.models import RANDOM_SHAPES, _hf_config_dict, make_random_weights, random_weight_names, resolve_model
 
 
 def test_random_weights_are_deterministic_and_norms_are_not_ones():
@@ -21,8 +21,7 @@ def test_random_weights_are_deterministic_and_norms_are_not_ones():
 
 
 def test_random_qwen3_has_qk_norms():
-    names = {n for n, _ in __import__("shared.models", fromlist=["x"]).random_weight_names(
-        _hf_config_dict(RANDOM_SHAPES["qwen3-0.6b"]))}
+    names = {n for n, _ in random_weight_names(_hf_config_dict(RANDOM_SHAPES["qwen3-0.6b"]))}
     assert "model.layers.0.self_attn.q_norm.weight" in names and "lm_head.weight" not in names
 
 

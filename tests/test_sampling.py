@@ -1,5 +1,6 @@
 """The sampler: exact masks on hand-made logits, seeded reproducibility, and the draw itself."""
 import importlib
+import importlib.util
 import math
 
 import pytest
