@@ -1,6 +1,7 @@
 """Checks and conversions every step's LLM does the same way: devices, dtypes, prompts, limits."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from .params import SamplingParams
@@ -62,16 +63,20 @@ def normalize_prompts(prompts, tokenizer, vocab_size: int) -> list[tuple[str | N
 
 
 def normalize_sampling_params(sampling_params, n: int, default: SamplingParams) -> list[SamplingParams]:
-    """One SamplingParams for all prompts, or a list with one per prompt."""
+    """One SamplingParams for all prompts, or a list with one per prompt.
+
+    Each is checked again and copied: a field changed after construction is caught here, and changing the
+    caller's object later cannot change a request already queued."""
     if sampling_params is None:
-        return [default] * n
+        sampling_params = default
     if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    if isinstance(sampling_params, Sequence) and all(isinstance(s, SamplingParams) for s in sampling_params):
+        sampling_params = [sampling_params] * n
+    elif isinstance(sampling_params, Sequence) and all(isinstance(s, SamplingParams) for s in sampling_params):
         if len(sampling_params) != n:
             raise ValueError(f"sampling_params: got {len(sampling_params)} for {n} prompts; give one or one per prompt")
-        return list(sampling_params)
-    raise ValueError(f"sampling_params: expected SamplingParams or a list of them, got {type(sampling_params).__name__}")
+    else:
+        raise ValueError(f"sampling_params: expected SamplingParams or a list of them, got {type(sampling_params).__name__}")
+    return [dataclasses.replace(sp) for sp in sampling_params]  # replace() runs __post_init__: validate()
 
 
 def check_length(index: int, prompt_len: int, params: SamplingParams, max_model_len: int) -> None:
@@ -97,4 +102,7 @@ def check_conversations(conversations) -> list[list[dict]]:
                 raise ValueError(f"conversations[{i}]: each message needs 'role' and 'content', got {m!r}")
             if m["role"] not in ("system", "user", "assistant"):
                 raise ValueError(f"conversations[{i}]: unknown role {m['role']!r}")
+            if not isinstance(m["content"], str):
+                raise ValueError(f"conversations[{i}]: a message's content must be a string, got "
+                                 f"{type(m['content']).__name__} ({m['content']!r:.40})")
     return conversations

@@ -1,7 +1,20 @@
 """The API types every step shares: SamplingParams in, RequestOutput out (vLLM's names)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below this temperature logits / temperature can overflow fp32 (vLLM clamps to the same 1e-2).
+MIN_TEMPERATURE = 1e-2
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """An int or a float (not a bool), and finite: NaN and infinity are refused."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -25,33 +38,46 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the field and its limit."""
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        """Normalise `stop` and `stop_token_ids` to lists, then raise ValueError naming any field out of its
+        limits. Engines call this again when a request is submitted, so a field changed after construction
+        is checked too."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None or isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop or [])
+        else:
+            raise ValueError(f"stop must be a string, a list of strings or None, got {self.stop!r}")
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids or [])
+        else:
+            raise ValueError(f"stop_token_ids must be a list of token ids or None, got {self.stop_token_ids!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature is None or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature!r} "
+                             "(below that, logits / temperature overflow; use 0 for greedy)")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         for s in self.stop:
             if not isinstance(s, str) or s == "":
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
+            if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
 
     @property

@@ -19,6 +19,21 @@ TINY = "random:tiny-llama"  # context: 2048 tokens
     (dict(logprobs=-1), "logprobs"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=1e-30), "temperature"),
+    (dict(temperature="hot"), "temperature"),
+    (dict(top_p=None), "top_p"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(min_p=float("nan")), "min_p"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(top_k=True), "top_k"),
+    (dict(max_tokens=4.0), "max_tokens"),
+    (dict(seed=1.5), "seed"),
+    (dict(logprobs=True), "logprobs"),
+    (dict(ignore_eos="no"), "ignore_eos"),
+    (dict(stop=5), "stop"),
+    (dict(stop_token_ids=["2"]), "stop_token_ids"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -46,6 +61,37 @@ def test_bad_prompts(step):
     # The limit itself is fine: prompt + max_tokens == context.
     out = llm.generate([[7] * 2044], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_params_changed_after_construction_are_checked_at_submission(step):
+    llm = cached_llm(step, TINY)
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    sp.temperature = float("nan")
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        llm.generate([[1, 2]], sp)
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    sp.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[1, 2]], sp)
+    if hasattr(llm, "add_request"):
+        with pytest.raises(ValueError, match="max_tokens"):
+            llm.add_request([1, 2], sp)
+        assert not llm.has_unfinished_requests(), "a refused request was queued"
+    with pytest.raises(ValueError, match=r"conversations\[0\]: a message's content must be a string, got list"):
+        llm.chat([{"role": "user", "content": ["What", "is", "this?"]}], SamplingParams(temperature=0))
+    with pytest.raises(ValueError, match="content must be a string, got NoneType"):
+        llm.chat([{"role": "user", "content": None}], SamplingParams(temperature=0))
+
+
+def test_params_are_copied_at_submission():
+    from shared import normalize_sampling_params
+    sp = SamplingParams(temperature=0, max_tokens=4, stop="x")
+    copies = normalize_sampling_params(sp, 2, SamplingParams())
+    sp.max_tokens = 99  # changing the caller's object later changes no queued request
+    assert [c.max_tokens for c in copies] == [4, 4] and copies[0].stop == ["x"]
+    sp.stop = "y"  # a plain string set after construction is normalised like the constructor does
+    assert normalize_sampling_params(sp, 1, SamplingParams())[0].stop == ["y"]
 
 
 @pytest.mark.parametrize("step", STEPS)
