@@ -113,3 +113,15 @@ def test_logprobs_are_normalised_and_include_the_chosen_token(step):
         assert tok in lp and 3 <= len(lp) <= 4
         assert all(v <= 0 for v in lp.values())
     assert math.isclose(out.cumulative_logprob, sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("step", SAMPLER_STEPS)
+def test_filters_run_in_vllms_order(step):
+    """Temperature, then min-p, then top-k and top-p: top-p sees the probabilities left after min-p.
+    Here min-p keeps {0, 1} (renormalised to 0.57 / 0.43) and top-p 0.5 then keeps only token 0; the old
+    order (top-p on the original probabilities first) would keep token 1 too."""
+    s = sampler(step)
+    logits = probs_logits([0.4, 0.3, 0.2, 0.1])
+    sp = SamplingParams(temperature=1.0, min_p=0.6, top_p=0.5, seed=0)
+    generator = s.make_generator(sp, torch.device("cpu"))
+    assert {s.sample(logits, sp, generator) for _ in range(200)} == {0}

@@ -1,4 +1,4 @@
-"""Turning logits into the next token: temperature, top-k, top-p, min-p, a seeded random draw."""
+"""Turning logits into the next token: temperature, min-p, top-k, top-p, a seeded random draw."""
 from __future__ import annotations
 
 import torch
@@ -46,9 +46,10 @@ def sample(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator)
     """logits: [vocab] (fp32) -> the next token id."""
     if sp.greedy:
         return int(torch.argmax(logits))
+    # The order of current vLLM: temperature, then min-p, then top-k and top-p.
     logits = logits / sp.temperature
+    logits = apply_min_p(logits, sp.min_p)
     logits = apply_top_k(logits, sp.top_k)
     logits = apply_top_p(logits, sp.top_p)
-    logits = apply_min_p(logits, sp.min_p)
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, num_samples=1, generator=generator))
