@@ -7,25 +7,25 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
-from shared.cli import format_table, per_token_ms, print_header, step_arg_parser
+from shared.cli import answer_question, format_table, per_token_ms, print_header, step_arg_parser, user_errors
 
 from .engine import LLM
 
 
 def main() -> None:
-    parser = step_arg_parser(__doc__, max_tokens=64)
-    parser.add_argument("--growth-tokens", type=int, default=128, help="tokens for the ms/token table (default: %(default)s)")
+    parser = step_arg_parser(__doc__, lesson_tokens=128, lesson_tokens_min=2)
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    print_header("step01: naive generation", llm)
+    with user_errors(parser):  # bad input: one `error:` line, exit status 2
+        llm = LLM(args.model, device=args.device, dtype=args.dtype)
+        print_header("step01: naive generation", llm)
+        answer_question(llm, args)
+        show_lesson(llm, args)
 
+
+def show_lesson(llm, args) -> None:
+    """Every token re-runs the whole sequence, so each costs more than the last."""
     conversation = [{"role": "user", "content": args.prompt}]
-    out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=args.max_tokens))[0]
-    print(f"\nQ: {args.prompt}\nA: {out.outputs[0].text.strip()}   [{len(out.outputs[0].token_ids)} tokens, "
-          f"finish_reason={out.outputs[0].finish_reason}]")
-
-    # The lesson's figure: every token re-runs the whole sequence, so each costs more than the last.
-    out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=args.growth_tokens, ignore_eos=True))[0]
+    out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=args.lesson_tokens, ignore_eos=True))[0]
     ms = per_token_ms(out.metrics.token_times, out.metrics.arrival_time)
     prompt_len = len(out.prompt_token_ids)
     marks = [n for n in (2, 8, 16, 32, 64, 128, 256, 512) if n <= len(ms)]

@@ -9,34 +9,37 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 import torch
 
 from shared import SamplingParams
-from shared.cli import format_table, print_header, step_arg_parser
+from shared.cli import answer_question, format_table, print_header, step_arg_parser, user_errors
 
 from .engine import LLM
 from .sampler import apply_min_p, apply_top_k, apply_top_p
 
 
 def main() -> None:
-    parser = step_arg_parser(__doc__, max_tokens=24)
-    parser.add_argument("--prompt-story", default="Write one sentence about a cat.", help="prompt for the samples")
+    parser = step_arg_parser(__doc__, lesson_tokens=24)
+    parser.add_argument("--prompt-story", default="Write one sentence about a cat.",
+                        help="the prompt sampled in the lesson's figure (default: %(default)r)")
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    print_header("step02: sampling and stopping", llm)
+    with user_errors(parser):  # bad input: one `error:` line, exit status 2
+        llm = LLM(args.model, device=args.device, dtype=args.dtype)
+        print_header("step02: sampling and stopping", llm)
+        answer_question(llm, args)
+        show_lesson(llm, args)
 
-    conversation = [{"role": "user", "content": args.prompt}]
-    out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=args.max_tokens))[0].outputs[0]
-    print(f"\nQ: {args.prompt}\nA (greedy): {out.text.strip()}   [finish_reason={out.finish_reason}]")
 
+def show_lesson(llm, args) -> None:
+    """Samples at several temperatures and seeds, and how many candidate tokens each filter leaves."""
     story = [{"role": "user", "content": args.prompt_story}]
-    print(f"\nSamples of {args.prompt_story!r} (max_tokens={args.max_tokens}, stop at '.'):")
+    print(f"\nSamples of {args.prompt_story!r} (max_tokens={args.lesson_tokens}, stop at '.'):")
     rows = []
     for temperature, seed in [(0.0, None), (0.7, 1), (0.7, 2), (1.0, 1), (1.5, 1), (1.5, 1)]:
-        sp = SamplingParams(temperature=temperature, top_p=0.95, seed=seed, max_tokens=args.max_tokens, stop=["."])
+        sp = SamplingParams(temperature=temperature, top_p=0.95, seed=seed, max_tokens=args.lesson_tokens, stop=["."])
         o = llm.chat(story, sp)[0].outputs[0]
         rows.append([temperature, seed, o.finish_reason, repr(o.text.strip())[:70]])
     print(format_table(["temperature", "seed", "finish", "text"], rows))
     print("(the two rows with temperature 1.5 and seed 1 are the same: a seed makes a sample repeatable)")
 
-    # The lesson's figure: how many candidate tokens each filter leaves for the first token of the answer.
+    # How many candidate tokens each filter leaves for the first token of the answer.
     prompt_ids = llm.tokenizer.apply_chat_template(story)
     logits = llm.model.forward(torch.tensor(prompt_ids, device=llm.device))[-1] / 0.7
     kept = lambda x: int(torch.isfinite(x).sum())  # noqa: E731

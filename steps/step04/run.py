@@ -8,35 +8,37 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
-from shared.cli import format_table, print_header, step_arg_parser
+from shared.cli import answer_question, format_table, print_header, step_arg_parser, user_errors
 from shared.prompts import QUESTIONS
 
 from .engine import LLM
 
 
 def main() -> None:
-    parser = step_arg_parser(__doc__, max_tokens=48)
+    parser = step_arg_parser(__doc__, lesson_tokens=48)
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    print_header("step04: static batching", llm)
+    with user_errors(parser):  # bad input: one `error:` line, exit status 2
+        llm = LLM(args.model, device=args.device, dtype=args.dtype)
+        print_header("step04: static batching", llm)
+        answer_question(llm, args)
+        show_lesson(llm, args)
 
-    out = llm.chat([{"role": "user", "content": args.prompt}], SamplingParams(temperature=0, max_tokens=args.max_tokens))[0]
-    print(f"\nQ: {args.prompt}\nA: {out.outputs[0].text.strip()}   [finish_reason={out.outputs[0].finish_reason}]")
 
-    # The lesson's figure: throughput at batch sizes 1, 4, 16, and the token slots the batch wasted
-    # (left padding of short prompts, and rows that finished early but ride along until the longest ends).
+def show_lesson(llm, args) -> None:
+    """Throughput at batch sizes 1, 4, 16, and the token slots the batch wasted (left padding of short
+    prompts, and rows that finished early but ride along until the longest ends)."""
     rows = []
     for batch_size in (1, 4, 16):
         conversations = [[{"role": "user", "content": q}] for q in QUESTIONS[:batch_size]]
         llm.stats = {"slots": 0, "padding": 0, "finished": 0}
         start = time.perf_counter()
-        outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=args.max_tokens))
+        outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=args.lesson_tokens))
         seconds = time.perf_counter() - start
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
         s = llm.stats
         rows.append([batch_size, generated, f"{seconds:.2f}", f"{generated / seconds:.1f}",
                      f"{100 * s['padding'] / s['slots']:.0f}%", f"{100 * s['finished'] / s['slots']:.0f}%"])
-    print(f"\n{args.max_tokens} tokens at most per request, greedy, stopping at EOS:")
+    print(f"\n{args.lesson_tokens} tokens at most per request, greedy, stopping at EOS:")
     print(format_table(["batch", "tokens", "seconds", "tokens/s", "padding slots", "finished-row slots"], rows))
     print("A bigger batch reads the weights once for many rows: more tokens/s. But every row pays for the\n"
           "longest prompt (padding) and waits for the longest answer (finished rows keep computing).")

@@ -8,25 +8,28 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
-from shared.cli import format_table, print_header, step_arg_parser
+from shared.cli import answer_question, format_table, int_at_least, print_header, step_arg_parser, user_errors
 from shared.prompts import QUESTIONS
 
 from .engine import LLM
 
 
 def main() -> None:
-    parser = step_arg_parser(__doc__, max_tokens=96)
-    parser.add_argument("--max-num-seqs", type=int, default=4, help="running requests at most (default: %(default)s)")
+    parser = step_arg_parser(__doc__, lesson_tokens=96)
+    parser.add_argument("--max-num-seqs", type=int_at_least(1), default=4,
+                        help="running requests at most (default: %(default)s)")
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
-    print_header("step05: continuous batching", llm)
+    with user_errors(parser):  # bad input: one `error:` line, exit status 2
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+        print_header("step05: continuous batching", llm)
+        answer_question(llm, args)
+        show_lesson(llm, args)
 
-    out = llm.chat([{"role": "user", "content": args.prompt}], SamplingParams(temperature=0, max_tokens=64))[0]
-    print(f"\nQ: {args.prompt}\nA: {out.outputs[0].text.strip()}   [finish_reason={out.outputs[0].finish_reason}]")
 
-    # The lesson's figure. 16 requests: every 4th is long (max_tokens tokens), the rest short (12 tokens).
+def show_lesson(llm, args) -> None:
+    """16 requests: every 4th is long (--lesson-tokens tokens), the rest short (12 tokens)."""
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS[:16]]
-    params = [SamplingParams(temperature=0, max_tokens=args.max_tokens if i % 4 == 0 else 12, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=args.lesson_tokens if i % 4 == 0 else 12, ignore_eos=True)
               for i in range(16)]
     n = args.max_num_seqs
     rows = []
@@ -42,7 +45,7 @@ def main() -> None:
         s = llm.stats
         rows.append([policy, tokens, s["decode_steps"], f"{100 * s['decode_rows'] / (s['decode_steps'] * n):.0f}%",
                      f"{seconds:.2f}", f"{tokens / seconds:.1f}"])
-    print(f"\n16 requests (4 of {args.max_tokens} tokens, 12 of 12 tokens), at most {n} running at once:")
+    print(f"\n16 requests (4 of {args.lesson_tokens} tokens, 12 of 12 tokens), at most {n} running at once:")
     print(format_table(["policy", "tokens", "decode steps", "seats used", "seconds", "tokens/s"], rows))
     print(f"continuous batching: {float(rows[1][5]) / float(rows[0][5]):.2f}x the tokens/s of static groups, "
           "because a finished request's seat is refilled at once.")

@@ -7,7 +7,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
-from shared.cli import format_table, print_header, step_arg_parser
+from shared.cli import answer_question, format_table, int_at_least, print_header, step_arg_parser, user_errors
 
 from .engine import LLM
 
@@ -16,20 +16,23 @@ LONG_TEXT = ("The history of the printing press begins with movable type, which 
 
 
 def main() -> None:
-    parser = step_arg_parser(__doc__, max_tokens=16)
-    parser.add_argument("--budget", type=int, default=128, help="max_num_batched_tokens with chunking (default: %(default)s)")
+    parser = step_arg_parser(__doc__, lesson_tokens=16)
+    parser.add_argument("--budget", type=int_at_least(1), default=128,
+                        help="max_num_batched_tokens with chunking (default: %(default)s)")
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_batched_tokens=args.budget)
-    print_header("step06: chunked prefill", llm)
+    with user_errors(parser):  # bad input: one `error:` line, exit status 2
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_batched_tokens=args.budget)
+        print_header("step06: chunked prefill", llm)
+        answer_question(llm, args)
+        show_lesson(llm, args)
 
-    out = llm.chat([{"role": "user", "content": args.prompt}], SamplingParams(temperature=0, max_tokens=64))[0]
-    print(f"\nQ: {args.prompt}\nA: {out.outputs[0].text.strip()}   [finish_reason={out.outputs[0].finish_reason}]")
 
-    # The lesson's figure: a long prompt arrives, then a short question right behind it.
+def show_lesson(llm, args) -> None:
+    """A long prompt arrives, then a short question right behind it: how long does the short one wait?"""
     long_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": LONG_TEXT + "\nSummarise this."}])
     short_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    rows = []
+    params = SamplingParams(temperature=0, max_tokens=args.lesson_tokens)
+    rows, short_ttft = [], []
     for label, budget in (("off (whole prompt at once)", len(long_ids) + len(short_ids)), ("on", args.budget)):
         llm.scheduler.max_num_batched_tokens = budget
         long_id, short_id = llm.add_request(long_ids, params), llm.add_request(short_ids, params)
@@ -39,10 +42,11 @@ def main() -> None:
             done.update({o.request_id: o for o in llm.step()})
         ttft = {k: done[k].metrics.time_to_first_token * 1000 for k in (long_id, short_id)}
         rows.append([label, budget, steps, f"{ttft[short_id]:.0f}", f"{ttft[long_id]:.0f}"])
+        short_ttft.append(ttft[short_id])
     print(f"\na {len(long_ids)}-token prompt, then a {len(short_ids)}-token question queued behind it:")
     print(format_table(["chunked prefill", "token budget", "iterations", "short TTFT ms", "long TTFT ms"], rows))
     print(f"with chunks of at most {args.budget} tokens the short request no longer waits for the whole long prefill: "
-          f"its first token comes {float(rows[0][3]) / float(rows[1][3]):.1f}x sooner.")
+          f"its first token comes {short_ttft[0] / short_ttft[1]:.1f}x sooner.")
 
 
 if __name__ == "__main__":

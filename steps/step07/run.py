@@ -8,25 +8,28 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
-from shared.cli import format_table, print_header, step_arg_parser
+from shared.cli import answer_question, format_table, int_at_least, print_header, step_arg_parser, user_errors
 from shared.prompts import QUESTIONS
 
 from .engine import LLM
 
 
 def main() -> None:
-    parser = step_arg_parser(__doc__, max_tokens=48)
-    parser.add_argument("--kv-budget", type=int, default=400, help="max_kv_tokens for the tight run (default: %(default)s)")
+    parser = step_arg_parser(__doc__, lesson_tokens=48)
+    parser.add_argument("--kv-budget", type=int_at_least(1), default=400,
+                        help="max_kv_tokens for the tight run (default: %(default)s)")
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=8)
-    print_header("step07: preemption", llm)
+    with user_errors(parser):  # bad input: one `error:` line, exit status 2
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=8)
+        print_header("step07: preemption", llm)
+        answer_question(llm, args)
+        show_lesson(llm, args)
 
-    out = llm.chat([{"role": "user", "content": args.prompt}], SamplingParams(temperature=0, max_tokens=64))[0]
-    print(f"\nQ: {args.prompt}\nA: {out.outputs[0].text.strip()}   [finish_reason={out.outputs[0].finish_reason}]")
 
-    # The lesson's figure: 8 requests that together need more KV memory than the budget allows.
+def show_lesson(llm, args) -> None:
+    """8 requests that together need more KV memory than the budget allows."""
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS[:8]]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.lesson_tokens, ignore_eos=True)
     rows, texts = [], {}
     for label, budget in (("ample", 32768), ("tight", args.kv_budget)):
         llm.scheduler.max_kv_tokens = budget
@@ -39,7 +42,7 @@ def main() -> None:
         rows.append([label, budget, need, llm.scheduler.num_preemptions,
                      sum(o.finished for o in outs), f"{seconds:.2f}"])
     same = sum(a == b for a, b in zip(texts["ample"], texts["tight"]))
-    print(f"\n8 requests x {args.max_tokens} tokens, at most 8 running:")
+    print(f"\n8 requests x {args.lesson_tokens} tokens, at most 8 running:")
     print(format_table(["KV budget", "max_kv_tokens", "tokens in all", "preemptions", "finished", "seconds"], rows))
     print(f"{same} of 8 texts identical to the ample run: preempted requests were recomputed, not lost or cut. "
           "The tight run pays for the recomputation in seconds.")

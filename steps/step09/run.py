@@ -8,7 +8,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
-from shared.cli import format_table, print_header, step_arg_parser
+from shared.cli import answer_question, format_table, int_at_least, print_header, step_arg_parser, user_errors
 from shared.prompts import QUESTIONS
 
 from .engine import LLM
@@ -22,20 +22,23 @@ SYSTEM_PROMPT = ("You are the assistant of a small public library. The library o
 
 
 def main() -> None:
-    parser = step_arg_parser(__doc__, max_tokens=16)
-    parser.add_argument("--requests", type=int, default=16, help="requests sharing the system prompt (default: %(default)s)")
+    parser = step_arg_parser(__doc__, lesson_tokens=16)
+    parser.add_argument("--requests", type=int_at_least(1), default=16,
+                        help="requests sharing the system prompt (default: %(default)s)")
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    print_header("step09: prefix caching", llm)
+    with user_errors(parser):  # bad input: one `error:` line, exit status 2
+        llm = LLM(args.model, device=args.device, dtype=args.dtype)
+        print_header("step09: prefix caching", llm)
+        answer_question(llm, args)
+        show_lesson(llm, args)
 
-    out = llm.chat([{"role": "user", "content": args.prompt}], SamplingParams(temperature=0, max_tokens=64))[0]
-    print(f"\nQ: {args.prompt}\nA: {out.outputs[0].text.strip()}   [finish_reason={out.outputs[0].finish_reason}]")
 
-    # The lesson's figure: one request computes the system prompt, then many others arrive that share it.
+def show_lesson(llm, args) -> None:
+    """One request computes the system prompt, then many others arrive that share it."""
     conversations = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
                      for q in (QUESTIONS * 4)[:args.requests + 1]]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    rows, texts = [], {}
+    params = SamplingParams(temperature=0, max_tokens=args.lesson_tokens)
+    rows, texts, seconds = [], {}, {}
     for enabled in (False, True):
         bm = llm.block_manager
         bm.enable_prefix_caching = enabled
@@ -44,17 +47,18 @@ def main() -> None:
         llm.chat(conversations[0], params)  # the first user: its blocks enter the prefix cache
         start = time.perf_counter()
         outs = llm.chat(conversations[1:], params)
-        seconds = time.perf_counter() - start
+        seconds[enabled] = time.perf_counter() - start
         texts[enabled] = [o.outputs[0].text for o in outs]
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
         hit_rate = f"{100 * bm.stats['hits'] / bm.stats['lookups']:.0f}%" if bm.stats["lookups"] else "-"
-        rows.append(["on" if enabled else "off", prompt_tokens, hit_rate, bm.stats["tokens_saved"], f"{seconds:.2f}"])
+        rows.append(["on" if enabled else "off", prompt_tokens, hit_rate, bm.stats["tokens_saved"],
+                     f"{seconds[enabled]:.2f}"])
     system_len = len(llm.tokenizer.apply_chat_template(conversations[0][:1] + [{"role": "user", "content": ""}]))
     print(f"\n{args.requests} requests sharing a system prompt of about {system_len} tokens "
-          f"(blocks of {llm.block_manager.block_size}), {args.max_tokens} new tokens each:")
+          f"(blocks of {llm.block_manager.block_size}), {args.lesson_tokens} new tokens each:")
     print(format_table(["prefix caching", "prompt tokens", "block hit rate", "prefill tokens saved", "seconds"], rows))
     same = sum(a == b for a, b in zip(texts[False], texts[True]))
-    print(f"{float(rows[0][4]) / float(rows[1][4]):.2f}x faster with the cache; {same} of {args.requests} answers identical.")
+    print(f"{seconds[False] / seconds[True]:.2f}x faster with the cache; {same} of {args.requests} answers identical.")
 
 
 if __name__ == "__main__":
