@@ -4,12 +4,14 @@
     python run_all.py --bench    one fixed workload through every step's LLM: tokens/s, time to first
                                  token, peak memory, relative to step01 and to the previous step
 
-Both take --model/--device/--dtype (passed to every step) and --steps to pick some steps.
+Both take --model/--device/--dtype (passed to every step) and --steps to pick some steps
+(`--steps step03 step09` or `--steps step03,step09`). Each step's progress is printed as it runs.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -46,17 +48,23 @@ def passthrough_args(args) -> list[str]:
 
 def run_scripts(steps: list[str], args) -> int:
     rows, failures = [], 0
+    extra = passthrough_args(args) + (["--lesson-tokens", str(args.lesson_tokens)] if args.lesson_tokens else [])
     for i, step in enumerate(steps, 1):
-        print(f"\n[{i}/{len(steps)}] python steps/{step}/run.py {' '.join(passthrough_args(args))}", flush=True)
+        print(f"\n[{i}/{len(steps)}] python steps/{step}/run.py {' '.join(extra)}", flush=True)
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(ROOT / "steps" / step / "run.py"), *passthrough_args(args)],
-                              cwd=ROOT, capture_output=True, text=True)
+        # The step's output (and its stderr: model conversion, errors) is shown line by line as it comes.
+        proc = subprocess.Popen([sys.executable, str(ROOT / "steps" / step / "run.py"), *extra], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        for line in proc.stdout:
+            print("    " + line.rstrip("\n"), flush=True)
+        returncode = proc.wait()
         seconds = time.perf_counter() - start
-        print("    " + proc.stdout.strip().replace("\n", "\n    "))
-        if proc.returncode != 0:
+        if returncode != 0:
             failures += 1
-            print("    FAILED:\n    " + proc.stderr.strip()[-3000:].replace("\n", "\n    "))
-        rows.append([step, step_title(step), "ok" if proc.returncode == 0 else "FAILED", f"{seconds:.1f}"])
+        print(f"    -> {step}: {'ok' if returncode == 0 else f'FAILED (exit status {returncode})'} "
+              f"in {seconds:.1f} s", flush=True)
+        rows.append([step, step_title(step), "ok" if returncode == 0 else "FAILED", f"{seconds:.1f}"])
     print("\n" + format_table(["step", "title", "ok", "seconds"], rows))
     return 1 if failures else 0
 
@@ -69,12 +77,19 @@ def run_bench(steps: list[str], args) -> int:
                "--max-tokens", str(args.max_tokens), *passthrough_args(args)]
         if args.repeat:
             cmd += ["--repeat", str(args.repeat)]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        start = time.perf_counter()
+        # stdout carries the result line; stderr (the bench's progress, any error) goes straight to the terminal.
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
         line = next((l for l in proc.stdout.splitlines() if l.startswith("BENCH_JSON ")), None)
         if proc.returncode != 0 or line is None:
-            print(f"    FAILED:\n    {proc.stderr.strip()[-3000:]}")
+            print(f"    -> {step}: FAILED (exit status {proc.returncode}); its error is printed above", flush=True)
             return 1
-        results.append(json.loads(line[len("BENCH_JSON "):]))
+        r = json.loads(line[len("BENCH_JSON "):])
+        results.append(r)
+        print(f"    -> {step}: {r['tokens_per_s']:.1f} tokens/s, TTFT median {r['ttft_median_ms']:.0f} ms, "
+              f"peak {r['peak_memory_mb']:.0f} MiB ({r['peak_memory_kind']}); {time.perf_counter() - start:.1f} s "
+              "with loading and warm-up", flush=True)
     first = results[0]
     shape = {"standard": f"{first['requests']} requests x {args.max_tokens} new tokens",
              "mixed": f"{first['requests']} requests, prompts of 8-192 tokens, 8-{args.max_tokens} new tokens each (seeded)",
@@ -90,10 +105,10 @@ def run_bench(steps: list[str], args) -> int:
                      f"{r['ttft_median_ms']:.0f}", f"{r['peak_memory_mb']:.0f}"])
         prev = r
     print(format_table(["step", "tokens/s", f"vs {first['step']}", "vs prev", "TTFT median ms",
-                        f"peak MB ({first['peak_memory_kind']})"], rows))
+                        f"peak MiB ({first['peak_memory_kind']})"], rows))
     if "roofline_tokens_per_s_batch1" in first:
         print(f"roofline for batch-1 decode: {first['roofline_tokens_per_s_batch1']:.0f} tokens/s "
-              f"({first['weight_mb']:.0f} MB of weights read per token at {first['bandwidth_gbs']:.0f} GB/s measured)")
+              f"({first['weight_mb']:.0f} MiB of weights read per token at {first['bandwidth_gbs']:.0f} GB/s measured)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -101,28 +116,41 @@ def run_bench(steps: list[str], args) -> int:
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options; args.steps becomes the list of steps to run, in step order."""
+    parser = argparse.ArgumentParser(prog="run_all.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bench", action="store_true", help="run the benchmark instead of the demos")
-    parser.add_argument("--steps", default=None, help="comma-separated steps (default: all)")
+    parser.add_argument("--steps", nargs="+", default=None, metavar="STEP",
+                        help="steps to run, e.g. `--steps step03 step09` or `--steps step03,step09` (default: all)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--workload", default="standard", choices=["standard", "mixed", "shared-prefix"],
                         help="benchmark workload: standard (4 chat questions), mixed (64 requests of mixed lengths) "
                              "or shared-prefix (32 requests sharing a long system prompt)")
+    parser.add_argument("--lesson-tokens", type=int, default=None,
+                        help="demos: passed to every run.py (new tokens per request in each lesson's figure)")
     parser.add_argument("--max-tokens", type=int, default=128, help="benchmark: new tokens per request")
     parser.add_argument("--repeat", type=int, default=None, help="benchmark: runs per step (default: 3 on cuda, 1 on cpu)")
     parser.add_argument("--json", default=None, help="benchmark: also write the results to this JSON file")
-    args = parser.parse_args()
-    steps = all_steps()
-    if args.steps:
-        wanted = args.steps.split(",")
-        unknown = [s for s in wanted if s not in steps]
-        if unknown:
-            parser.error(f"--steps: unknown {unknown}; known: {steps}")
-        steps = [s for s in steps if s in wanted]
-    return run_bench(steps, args) if args.bench else run_scripts(steps, args)
+    args = parser.parse_args(argv)
+    known = all_steps()
+    if args.steps is None:
+        args.steps = known
+    else:
+        wanted = [s.strip() for arg in args.steps for s in arg.split(",") if s.strip()]
+        unknown = [s for s in wanted if s not in known]
+        if unknown or not wanted:
+            what = f"unknown step(s) {', '.join(unknown)}" if unknown else "no step given"
+            parser.error(f"argument --steps: {what}; known: {', '.join(known)}")
+        args.steps = [s for s in known if s in wanted]  # in step order, each once
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_bench(args.steps, args) if args.bench else run_scripts(args.steps, args)
 
 
 if __name__ == "__main__":

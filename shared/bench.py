@@ -64,6 +64,11 @@ def shared_prefix_workload(tokenizer, max_tokens: int = 128, num_requests: int =
 WORKLOADS = {"standard": standard_workload, "mixed": mixed_workload, "shared-prefix": shared_prefix_workload}
 
 
+def _progress(msg: str) -> None:
+    """Progress goes to stderr; stdout carries only the result line that run_all.py reads."""
+    print(f"    [bench] {msg}", file=sys.stderr, flush=True)
+
+
 def _sync(device) -> None:
     import torch
 
@@ -109,11 +114,13 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
 
     import torch
 
+    _progress(f"{step}: loading {model} ...")
     engine = importlib.import_module(f"steps.{step}.engine")
     llm = engine.LLM(model, device=device, dtype=dtype)
     prompts, params = WORKLOADS[workload](llm.tokenizer, max_tokens)
     if repeat is None:
         repeat = 3 if llm.device.type == "cuda" else 1  # the CPU runs are long and steady; the GPU's are short
+    _progress(f"{step}: warm-up, then {repeat} run(s) of {len(prompts)} requests on {llm.device} ...")
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     _sync(llm.device)
     if llm.device.type == "cuda":
@@ -127,6 +134,7 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         ttft = statistics.median(o.metrics.time_to_first_token for o in outputs)
         runs.append((generated / wall, wall, ttft))
+        _progress(f"{step}: run {len(runs)}/{repeat}: {generated} tokens in {wall:.1f} s = {generated / wall:.1f} tokens/s")
     tokens_per_s, wall, ttft = sorted(runs)[len(runs) // 2]  # the median run by throughput
     if llm.device.type == "cuda":
         peak_mb, peak_kind = torch.cuda.max_memory_allocated() / 2**20, "cuda allocated"

