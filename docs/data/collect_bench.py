@@ -1,0 +1,51 @@
+"""Gather benchmark results into docs/data/<device>.json, the one file the docs read a device's numbers from.
+
+    python docs/data/collect_bench.py --device cpu --description "..." --model smollm2-135m --date 2026-11-30 \
+        --commit abc123 --results /tmp/cpu_standard.json --command standard="python run_all.py --bench" ...
+
+--results takes files written by `run_all.py --bench --json` (a list) or lines of `python -m shared.bench`
+output (one JSON object per line, BENCH_JSON prefix removed). Results are grouped by workload and step;
+--command WORKLOAD=CMD records how each workload was run. Nothing is computed here: numbers are copied.
+"""
+import argparse
+import json
+from pathlib import Path
+
+KEEP = ("tokens_per_s", "ttft_median_ms", "peak_memory_mb", "peak_memory_kind", "generated_tokens", "requests",
+        "repeat", "wall_s", "backend", "device", "dtype", "roofline_tokens_per_s_batch1", "bandwidth_gbs", "weight_mb")
+
+
+def read_results(path: Path) -> list[dict]:
+    text = path.read_text().strip()
+    if text.startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", required=True)
+    p.add_argument("--description", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--date", required=True)
+    p.add_argument("--commit", required=True)
+    p.add_argument("--note", default="")
+    p.add_argument("--results", nargs="+", type=Path, required=True)
+    p.add_argument("--command", nargs="+", default=[], help="WORKLOAD=COMMAND")
+    args = p.parse_args()
+    commands = dict(c.split("=", 1) for c in args.command)
+    workloads: dict = {}
+    for path in args.results:
+        for r in read_results(path):
+            assert r["model"] == args.model, (r["model"], args.model)
+            wl = workloads.setdefault(r["workload"], {"command": commands.get(r["workload"], "?"), "steps": {}})
+            wl["steps"][r["step"]] = {k: r[k] for k in KEEP if k in r}
+    out = {"device": args.device, "description": args.description, "model": args.model, "date": args.date,
+           "git_commit": args.commit, "note": args.note, "workloads": workloads}
+    target = Path(__file__).resolve().parent / f"{args.device}.json"
+    target.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"written {target}: " + ", ".join(f"{k} ({len(v['steps'])} steps)" for k, v in workloads.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,428 @@
+"""mkdocs hook: every measured figure of the site comes from the JSON files in docs/data/.
+
+    docs/data/cpu.json, docs/data/h200.json   benchmark results, one file per device (collect_bench.py)
+    docs/data/figures.json                    the data of the chapter figures (make_figures.py)
+
+Markers a page may use (each is replaced when the site is built):
+    <!-- bench-table: cpu standard step01 step02 step03 -->       one device and workload: tokens/s, ratios,
+                                                                   time to first token, peak memory
+    <!-- bench-matrix: cpu:standard h200:standard | step03 step04 -->   tokens/s, one column per device:workload
+    <!-- bench-source: cpu standard mixed -->                     where a device's numbers come from (commands, date)
+    <!-- bench-value: cpu standard step03 tokens_per_s -->        one number inline (tokens_per_s, ttft_s,
+                                                                   ttft_ms, peak_mib, roofline, weight_mib,
+                                                                   bandwidth_tbs, generated_tokens)
+    <!-- bench-ratio: cpu mixed step05 step04 -->                  tokens/s of the first step over the second
+    <!-- figure: tokens-per-s -->                                  an SVG plot drawn here with matplotlib
+    <!-- fig-table: timeline-continuous -->                        a table traced by make_figures.py
+    <!-- fig-value: hash_chain.second_request.hits -->             one value of figures.json inline
+A marker that names data which does not exist fails the build, so no page can quote a number that
+is not in docs/data/. Plots are written into the built site only (site/figures/*.svg), never committed.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(os.environ.get("LLM_DOCS_DATA", ROOT / "docs" / "data"))  # another folder: to try the pages on other data
+
+DEVICE_LABEL = {"cpu": "CPU", "h200": "H200"}
+WORKLOADS = ("standard", "mixed", "shared-prefix")
+_bench: dict = {}
+_fig: dict = {}
+
+
+def _load() -> None:
+    _bench.clear()
+    for path in sorted(DATA.glob("*.json")):
+        if path.name != "figures.json":
+            _bench[path.stem] = json.loads(path.read_text())
+    _fig.clear()
+    if (DATA / "figures.json").is_file():
+        _fig.update(json.loads((DATA / "figures.json").read_text()))
+
+
+def _result(device: str, workload: str, step: str) -> dict | None:
+    if device not in _bench:
+        raise ValueError(f"bench marker: no docs/data/{device}.json")
+    if workload not in WORKLOADS:
+        raise ValueError(f"bench marker: unknown workload {workload!r}; known: {WORKLOADS}")
+    wl = _bench[device]["workloads"].get(workload)
+    return None if wl is None else wl["steps"].get(step)  # not measured: shown as such
+
+
+def _value(r: dict | None, field: str) -> str:
+    if r is None:
+        return "-"
+    if field == "tokens_per_s":
+        return f"{r['tokens_per_s']:.1f}"
+    if field == "ttft_s":
+        return f"{r['ttft_median_ms'] / 1000:.1f} s"
+    if field == "ttft_ms":
+        return f"{r['ttft_median_ms']:.0f} ms"
+    if field == "peak_mib":
+        return f"{r['peak_memory_mb']:.0f} MiB"
+    if field == "roofline":
+        return f"{r['roofline_tokens_per_s_batch1']:,.0f}"
+    if field == "weight_mib":
+        return f"{r['weight_mb']:.0f} MiB"
+    if field == "bandwidth_tbs":
+        return f"{r['bandwidth_gbs'] / 1000:.1f} TB/s"
+    if field == "generated_tokens":
+        return str(r["generated_tokens"])
+    raise ValueError(f"bench-value: unknown field {field!r}")
+
+
+def _ttft(r: dict) -> str:
+    ms = r["ttft_median_ms"]
+    return f"{ms / 1000:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
+
+
+def _html_table(header: list[str], rows: list[list[str]], cls: str = "bench") -> str:
+    """A markdown table (so the theme styles it like every other table); `cls` is kept for the reader of the source."""
+    def line(cells):
+        return "| " + " | ".join(str(c).replace("|", "\\|") or " " for c in cells) + " |"
+    return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows])
+
+
+def bench_table(device: str, workload: str, *steps: str) -> str:
+    rows, first, prev = [], None, None
+    kind = ""
+    for step in steps:
+        r = _result(device, workload, step)
+        if r is None:
+            rows.append([step, "not measured", "", "", "", ""])
+            continue
+        first = first or r
+        kind = "RSS" if r["peak_memory_kind"] == "process RSS" else "allocated"
+        rows.append([step, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x",
+                     f"{r['tokens_per_s'] / prev['tokens_per_s']:.2f}x" if prev else "-", _ttft(r),
+                     f"{r['peak_memory_mb']:.0f}"])
+        prev = r
+    header = ["step", "tokens/s", f"vs {steps[0]}", "vs previous", "TTFT median", f"peak MiB ({kind})"]
+    return _html_table(header, rows) + "\n\n" + _caption(device, workload)
+
+
+def _caption(device: str, *workloads: str) -> str:
+    d = _bench[device]
+    parts = []
+    workloads = [wl for wl in workloads if wl in d["workloads"]]
+    for wl in workloads:
+        parts.append(f"`{d['workloads'][wl]['command']}`")
+    return (f"<small>{d['description']}, model `{d['model']}`; measured {d['date']} with "
+            + "; ".join(parts) + f" (median of {_repeat_text(d, workloads)}). Data: `docs/data/{device}.json`.</small>")
+
+
+def _repeat_text(d: dict, workloads) -> str:
+    repeats = sorted({r["repeat"] for wl in workloads for r in d["workloads"][wl]["steps"].values()})
+    return " or ".join(str(r) for r in repeats) + (" run" if repeats == [1] else " runs")
+
+
+def bench_matrix(spec: str) -> str:
+    cols_text, _, steps_text = spec.partition("|")
+    cols = [c.split(":") for c in cols_text.split()]
+    steps = steps_text.split()
+    header = ["step"] + [f"{DEVICE_LABEL.get(d, d)} {wl}" for d, wl in cols]
+    rows = [[s] + [_value(_result(d, wl, s), "tokens_per_s") for d, wl in cols] for s in steps]
+    devices = []
+    for d, _ in cols:
+        if d not in devices:
+            devices.append(d)
+    captions = [_caption(d, *dict.fromkeys(wl for dd, wl in cols if dd == d)) for d in devices]
+    return (_html_table(header, rows) + "\n\n<small>tokens/s; - = not measured.</small>\n\n"
+            + "\n\n".join(captions))
+
+
+def bench_source(device: str, *workloads: str) -> str:
+    return _caption(device, *(workloads or tuple(_bench[device]["workloads"])))
+
+
+def bench_ratio(device: str, workload: str, a: str, b: str) -> str:
+    ra, rb = _result(device, workload, a), _result(device, workload, b)
+    if ra is None or rb is None:
+        return "(not measured)"
+    return f"{ra['tokens_per_s'] / rb['tokens_per_s']:.2f}x"
+
+
+def fig_value(path: str) -> str:
+    node = _fig
+    for key in path.split("."):
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    if isinstance(node, float):
+        return f"{100 * node:.0f}%" if node <= 1 else f"{node:.1f}"
+    return str(node)
+
+
+# ---------------------------------------------------------------- traced tables (figures.json)
+
+def _meta(name: str) -> str:
+    m = _fig[name]["meta"]
+    return f"<small>Traced with `{m['command']}` ({m['device']}, {m['model']}, {m['date']}).</small>"
+
+
+def _seats(iterations: list[dict], num_seats: int) -> list[list[str]]:
+    """Give each request the lowest free seat when it joins; one character per seat and iteration:
+    lower case = its prefill, upper case = a decode, '.' = seated but not computed, ' ' = empty."""
+    seat_of, grid = {}, [[] for _ in range(num_seats)]
+    for it in iterations:
+        for name in it["seated"]:
+            if name not in seat_of:
+                taken = set(seat_of.values())
+                seat_of[name] = min(s for s in range(num_seats) if s not in taken)
+        for s in range(num_seats):
+            who = next((n for n, seat in seat_of.items() if seat == s), None)
+            if who is None:
+                grid[s].append(" ")
+            elif who in it["computed"]:
+                grid[s].append(who.lower() if it["kind"] == "prefill" else who)
+            else:
+                grid[s].append(".")
+        for name in it["finished"]:
+            seat_of.pop(name, None)
+    return grid
+
+
+def timeline_grid() -> str:
+    t = _fig["timeline"]
+    by_len: dict[int, list[str]] = {}
+    for name, n in t["requests"].items():
+        by_len.setdefault(n, []).append(name)
+    lines = [f"{len(t['requests'])} requests, {t['seats']} seats: " + "; ".join(
+                 (names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}") + (f" wants {n} tokens" if len(names) == 1 else f" want {n} tokens each")
+                 for n, names in by_len.items()), "one column = one iteration; a = A's prefill, A = a decode of A, "
+             "'.' = seated but idle", ""]
+    for policy, label in (("static", "static groups (step04's policy)"), ("continuous", "continuous batching (step05)")):
+        its = t[policy]
+        lines.append(f"{label}: {len(its)} iterations")
+        for s, row in enumerate(_seats(its, t["seats"])):
+            lines.append(f"  seat {s}  " + "".join(row).rstrip())
+        lines.append("")
+    return "```text\n" + "\n".join(lines).rstrip() + "\n```\n\n" + _meta("timeline")
+
+
+def timeline_table(policy: str) -> str:
+    rows = []
+    for i, it in enumerate(_fig["timeline"][policy], 1):
+        rows.append([str(i), it["kind"], " ".join(it["computed"]), " ".join(it["finished"]) or "-",
+                     " ".join(n for n in it["seated"] if n not in it["finished"]) or "-"])
+    return (_html_table(["iteration", "kind", "computed (rows of the forward)", "finished", "running after"],
+                        rows, "trace") + "\n\n" + _meta("timeline"))
+
+
+def slot_table() -> str:
+    s = _fig["slot_mapping"]
+    bs = s["block_size"]
+    head = (f"Blocks of {bs}; prompts A {s['prompts']['A']}, B {s['prompts']['B']}, C {s['prompts']['C']} tokens, "
+            f"{s['max_tokens']} new tokens each. Block tables as last seen while running: "
+            + ", ".join(f"{k} = `{v}`" for k, v in sorted(s["tables"].items())) + ".\n\n")
+    rows = [[str(r["pos"]), f"{r['pos']} // {bs} = {r['logical']}", str(r["physical"]), f"{r['pos']} % {bs} = {r['offset']}",
+             f"`{r['physical']} * {bs} + {r['offset']}` = {r['slot']}"] for r in s["rows"]]
+    return head + _html_table(["position of A", "logical block", "block_table[logical]", "offset", "slot in the pool"],
+                              rows, "trace") + "\n\n" + _meta("slot_mapping")
+
+
+def hash_table() -> str:
+    h = _fig["hash_chain"]
+    rows = []
+    for r in h["rows"]:
+        toks = r["tokens"]
+        rows.append([str(r["block"]), f"{r['block'] * h['block_size']}-{(r['block'] + 1) * h['block_size'] - 1}",
+                     f"({', '.join(map(str, toks[:3]))}, ..., {toks[-1]})", "-" if r["parent"] is None else str(r["parent"]),
+                     str(r["hash"])])
+    return (_html_table(["block", "positions", "token ids", "parent hash", "hash = block_hash(parent, token ids)"],
+                        rows, "trace") + "\n\n" + _meta("hash_chain"))
+
+
+def fig_table(name: str) -> str:
+    tables = {"timeline-grid": timeline_grid, "timeline-static": lambda: timeline_table("static"),
+              "timeline-continuous": lambda: timeline_table("continuous"), "slot-mapping": slot_table,
+              "hash-chain": hash_table, "utilisation": utilisation_table, "ms-per-token": ms_table, "batch-size": batch_table}
+    if name not in tables:
+        raise ValueError(f"fig-table: unknown {name!r}; known: {sorted(tables)}")
+    return tables[name]()
+
+
+def ms_table() -> str:
+    m = _fig["ms_per_token"]
+    marks = [n for n in (2, 8, 16, 32, 64, 128, 160, 256) if n <= len(m["step01"])]
+    rows = [[str(n), str(m["prompt_tokens"] + n - 1)] + [f"{m[s][n - 1]:.1f}" for s in ("step01", "step02", "step03")]
+            for n in marks]
+    return (_html_table(["token #", "sequence length", "step01 ms", "step02 ms", "step03 ms"], rows)
+            + "\n\n" + _meta("ms_per_token"))
+
+
+def utilisation_table() -> str:
+    u = _fig["utilisation"]
+    rows = [[r["policy"], f"{100 * r['utilisation']:.0f}%"] for r in u["rows"]]
+    return _html_table(["KV memory", "utilisation (tokens stored / slots reserved)"], rows) + "\n\n" + _meta("utilisation")
+
+
+def batch_table() -> str:
+    b = _fig["batch_size"]
+    rows = [[str(r["batch"]), str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}"] for r in b["rows"]]
+    return _html_table(["batch", "tokens", "seconds", "tokens/s"], rows) + "\n\n" + _meta("batch_size")
+
+
+# ---------------------------------------------------------------- plots (matplotlib, SVG)
+
+def _svg(fig) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _setup():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"svg.hashsalt": "llm-steps", "svg.fonttype": "path", "font.size": 10,
+                         "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
+                         "grid.alpha": 0.3})
+    return plt
+
+
+def plot_tokens_per_s() -> str:
+    plt = _setup()
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    steps = sorted({s for d in _bench.values() for w in d["workloads"].values() for s in w["steps"]})
+    styles = {"standard": "-", "mixed": "--", "shared-prefix": ":"}
+    colors = {"cpu": "tab:blue", "h200": "tab:green"}
+    for device, d in _bench.items():
+        for wl, w in d["workloads"].items():
+            xs = [i for i, s in enumerate(steps) if s in w["steps"]]
+            ys = [w["steps"][steps[i]]["tokens_per_s"] for i in xs]
+            ax.plot(xs, ys, styles.get(wl, "-"), marker="o", color=colors.get(device), label=f"{DEVICE_LABEL.get(device, device)} {wl}")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(steps)), steps)
+    ax.set_ylabel("tokens/s (log scale)")
+    ax.legend(fontsize=8, ncol=3, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    return _svg(fig)
+
+
+def plot_ms_per_token() -> str:
+    plt = _setup()
+    m = _fig["ms_per_token"]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for step in ("step01", "step02", "step03"):
+        ms = m[step]
+        ax.plot([m["prompt_tokens"] + n for n in range(1, len(ms))], ms[1:], label=step)
+    ax.set_xlabel("sequence length when the token is produced (prompt + tokens so far)")
+    ax.set_ylabel("ms per token")
+    ax.set_ylim(bottom=0)
+    ax.legend(frameon=False)
+    return _svg(fig)
+
+
+def plot_batch_size() -> str:
+    plt = _setup()
+    b = _fig["batch_size"]
+    fig, ax = plt.subplots(figsize=(7, 3.3))
+    xs = [r["batch"] for r in b["rows"]]
+    ax.plot(xs, [r["tokens_per_s"] for r in b["rows"]], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("requests in the batch")
+    ax.set_ylabel("tokens/s")
+    ax.set_ylim(bottom=0)
+    return _svg(fig)
+
+
+def plot_timeline() -> str:
+    plt = _setup()
+    t = _fig["timeline"]
+    n = max(len(t["static"]), len(t["continuous"]))
+    fig, axes = plt.subplots(2, 1, figsize=(8, 3.6), sharex=True)
+    names = list(t["requests"])
+    cmap = plt.get_cmap("tab20")
+    for ax, policy, label in ((axes[0], "static", "static groups (step04's policy)"),
+                              (axes[1], "continuous", "continuous batching (step05)")):
+        grid = _seats(t[policy], t["seats"])
+        for s, row in enumerate(grid):
+            for x, c in enumerate(row):
+                if c.strip() and c != ".":
+                    ax.barh(s, 1, left=x, color=cmap(names.index(c.upper()) % 20), edgecolor="white",
+                            hatch="//" if c.islower() else None)
+                    ax.text(x + 0.5, s, c.upper(), ha="center", va="center", fontsize=7)
+                elif c == ".":
+                    ax.barh(s, 1, left=x, color="#eeeeee", edgecolor="white")
+        ax.set_yticks(range(t["seats"]), [f"seat {s}" for s in range(t["seats"])])
+        ax.invert_yaxis()
+        ax.set_title(f"{label}: {len(t[policy])} iterations", fontsize=9, loc="left")
+        ax.grid(False)
+        ax.set_xlim(0, n)
+    axes[1].set_xlabel("iteration (hatched: prefill; grey: seated, idle)")
+    return _svg(fig)
+
+
+def plot_utilisation() -> str:
+    plt = _setup()
+    u = _fig["utilisation"]
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    labels = [r["policy"] for r in u["rows"]]
+    vals = [100 * r["utilisation"] for r in u["rows"]]
+    ax.barh(range(len(vals)), vals, color=["tab:gray"] * 2 + ["tab:blue"] * (len(vals) - 2))
+    for i, v in enumerate(vals):
+        ax.text(v + 1, i, f"{v:.0f}%", va="center", fontsize=8)
+    ax.set_yticks(range(len(vals)), labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 110)
+    ax.set_xlabel("KV slots holding a token, % (summed over all iterations)")
+    return _svg(fig)
+
+
+PLOTS = {"tokens-per-s": (plot_tokens_per_s, "tokens/s of every step, CPU and H200 (log scale)"),
+         "ms-per-token": (plot_ms_per_token, "ms per token against sequence length, steps 01-03"),
+         "batch-size": (plot_batch_size, "step04: tokens/s against batch size"),
+         "timeline": (plot_timeline, "static groups against continuous batching, seat by seat"),
+         "utilisation": (plot_utilisation, "step08: KV memory utilisation per policy")}
+_used: set[str] = set()
+
+
+def figure(name: str, page) -> str:
+    if name not in PLOTS:
+        raise ValueError(f"figure: unknown {name!r}; known: {sorted(PLOTS)}")
+    _used.add(name)
+    depth = page.file.src_uri.count("/") + (0 if page.file.name == "index" else 1)
+    src = "../" * depth + f"figures/{name}.svg"
+    return f'<img class="figure" src="{src}" alt="{PLOTS[name][1]}">'
+
+
+# ---------------------------------------------------------------- mkdocs events
+
+MARKERS = [
+    (re.compile(r"<!--\s*bench-table:\s*(.+?)\s*-->"), lambda m, p: bench_table(*m.group(1).split())),
+    (re.compile(r"<!--\s*bench-matrix:\s*(.+?)\s*-->"), lambda m, p: bench_matrix(m.group(1))),
+    (re.compile(r"<!--\s*bench-source:\s*(.+?)\s*-->"), lambda m, p: bench_source(*m.group(1).split())),
+    (re.compile(r"<!--\s*bench-value:\s*(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*-->"),
+     lambda m, p: _value(_result(m.group(1), m.group(2), m.group(3)), m.group(4))),
+    (re.compile(r"<!--\s*bench-ratio:\s*(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*-->"), lambda m, p: bench_ratio(*m.groups())),
+    (re.compile(r"<!--\s*figure:\s*(\S+)\s*-->"), lambda m, p: figure(m.group(1), p)),
+    (re.compile(r"<!--\s*fig-table:\s*(\S+)\s*-->"), lambda m, p: fig_table(m.group(1))),
+    (re.compile(r"<!--\s*fig-value:\s*(\S+)\s*-->"), lambda m, p: fig_value(m.group(1))),
+]
+
+
+def on_config(config, **kwargs):
+    _load()
+    return config
+
+
+def on_page_markdown(markdown: str, page, **kwargs) -> str:
+    for pattern, render in MARKERS:
+        markdown = pattern.sub(lambda m: render(m, page), markdown)
+    return markdown
+
+
+def on_post_build(config, **kwargs) -> None:
+    out = Path(config["site_dir"]) / "figures"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in sorted(_used):
+        (out / f"{name}.svg").write_text(PLOTS[name][0]())
