@@ -1,4 +1,6 @@
-"""Every step's run.py and run_all.py run from the repo root and say what they ran on."""
+"""Every step's run.py and run_all.py run from the repo root, say what they ran on, and refuse bad input
+with one `error:` line (exit status 2, no traceback)."""
+import json
 import subprocess
 import sys
 
@@ -6,15 +8,31 @@ import pytest
 
 from conftest import ROOT, STEPS
 
-TINY = ["--model", "random:tiny-llama", "--max-tokens", "8"]
+# The tiny random model, a short answer and a small figure: the scripts' plumbing, not the model, is tested.
+# (--lesson-tokens 9: step03's minimum, the largest of all steps.)
+TINY = ["--model", "random:tiny-llama", "--max-tokens", "8", "--lesson-tokens", "9"]
+
+# The skeleton every run.py shares (shared/cli.py), so that the diff between two steps shows only the lesson.
+SKELETON = [
+    "    args = parser.parse_args()\n",
+    "    with user_errors(parser):",
+    "        llm = LLM(args.model, device=args.device, dtype=args.dtype",
+    "        answer_question(llm, args)\n",
+    "        show_lesson(llm, args)\n",
+    "\ndef show_lesson(llm, args) -> None:\n",
+]
 
 
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("step", STEPS)
 def test_run_py(step):
-    proc = subprocess.run([sys.executable, f"steps/{step}/run.py", *TINY], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = run(f"steps/{step}/run.py", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for word in ("model: random:tiny-llama", "device: cpu", "dtype: float32", "backend:"):
+    for word in ("model: random:tiny-llama", "device: cpu", "dtype: float32", "backend:", "\nQ: ", "\nA: "):
         assert word in proc.stdout
 
 
@@ -35,18 +53,85 @@ def test_steps_import_no_other_step():
                     assert f"steps.{other}" not in text and f"steps/{other}" not in text, f"{f} refers to {other}"
 
 
+@pytest.mark.parametrize("step", STEPS)
+def test_run_py_has_the_shared_skeleton(step):
+    text = (ROOT / "steps" / step / "run.py").read_text()
+    for line in SKELETON:
+        assert text.count(line) == 1, f"steps/{step}/run.py: expected once: {line!r}"
+    assert f'print_header("{step}: ' in text
+
+
+@pytest.mark.parametrize("step, args, expected", [
+    ("step08", ["--requests", "-3"], "argument --requests: must be at least 1, got -3"),
+    ("step01", ["--lesson-tokens", "1"], "argument --lesson-tokens: must be at least 2, got 1"),
+    ("step03", ["--max-tokens", "0"], "argument --max-tokens: must be at least 1, got 0"),
+    # the engine's ValueErrors: an unknown model, a prompt + max_tokens longer than the context
+    ("step05", ["--model", "nope"], "unknown model 'nope'"),
+    ("step09", ["--model", "random:tiny-llama", "--max-tokens", "5000"], "exceeds the model's context"),
+])
+def test_run_py_bad_input_is_one_error_line(step, args, expected):
+    proc = run(f"steps/{step}/run.py", *args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("run.py: error: "), proc.stderr
+    assert expected in errors[0]
+
+
+@pytest.mark.parametrize("argv", [["--steps", "step09", "step03"], ["--steps", "step03,step09"],
+                                  ["--steps", "step03,", "step09", "step03"]])
+def test_run_all_steps_option_takes_both_forms(argv):
+    import run_all
+
+    assert run_all.parse_args(argv).steps == ["step03", "step09"]
+    assert run_all.parse_args([]).steps == STEPS
+
+
+@pytest.mark.parametrize("argv", [["--steps", "step03,step99"], ["--steps", "nope"], ["--steps", ","]])
+def test_run_all_unknown_step_is_an_error(argv, capsys):
+    import run_all
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_all.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("run_all.py: error: argument --steps: ") and "known: step01, step02" in err
+
+
+def test_run_all_one_step():
+    proc = run("run_all.py", "--steps", "step03", "--model", "random:tiny-llama", "--lesson-tokens", "9")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[1/1] python steps/step03/run.py" in proc.stdout and "-> step03: ok in " in proc.stdout
+    assert "    == step03: KV cache ==" in proc.stdout  # the step's own output, shown as it runs
+    table = proc.stdout[proc.stdout.rindex("step  "):].splitlines()
+    assert len(table) == 3 and table[2].split()[0] == "step03" and " ok " in table[2], table
+
+
+@pytest.mark.slow
 def test_run_all_table():
-    proc = subprocess.run([sys.executable, "run_all.py", "--model", "random:tiny-llama"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = run("run_all.py", "--model", "random:tiny-llama", "--lesson-tokens", "9", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.rindex("step  "):]
     for step in STEPS:
         assert any(line.split()[:1] == [step] and " ok " in line for line in table.splitlines()), table
 
 
-def test_run_all_bench():
-    proc = subprocess.run([sys.executable, "run_all.py", "--bench", "--model", "random:tiny-llama", "--max-tokens", "8",
-                           "--steps", ",".join(STEPS[:2])], cwd=ROOT, capture_output=True, text=True, timeout=600)
+@pytest.mark.slow
+def test_run_all_bench(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run("run_all.py", "--bench", "--model", "random:tiny-llama", "--max-tokens", "8",
+               "--steps", *STEPS[:2], "--json", str(out), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "tokens/s" in proc.stdout and "TTFT" in proc.stdout
-    assert proc.stdout.count("1.00x") >= 1
+    results = json.loads(out.read_text())
+    assert [r["step"] for r in results] == STEPS[:2]
+    for r in results:  # per-step progress while it runs, then the table
+        assert f"-> {r['step']}: {r['tokens_per_s']:.1f} tokens/s" in proc.stdout
+        assert f"[bench] {r['step']}: run 1/{r['repeat']}" in proc.stderr
+    lines = proc.stdout[proc.stdout.rindex("step  "):].splitlines()
+    header, rows = lines[0].split(), [line.split() for line in lines[2:2 + len(STEPS[:2])]]
+    assert header[:5] == ["step", "tokens/s", "vs", STEPS[0], "vs"] and "TTFT" in lines[0]
+    first, second = rows
+    assert first[:4] == [STEPS[0], f"{results[0]['tokens_per_s']:.1f}", "1.00x", "-"]
+    assert second[0] == STEPS[1]
+    ratio = results[1]["tokens_per_s"] / results[0]["tokens_per_s"]
+    assert second[2] == second[3] == f"{ratio:.2f}x"  # vs the first step, and vs the previous (the same here)
