@@ -75,7 +75,13 @@ def render_diff(old: str, new: str) -> str:
 
 
 def render_files(step: str) -> str:
-    return "\n\n".join(f"#### `steps/{step}/{name}`\n\n" + _fence("python", text) for name, text in _files(step).items())
+    """Every file in full, model and engine first, the demo last and folded."""
+    files = _files(step)
+    order = sorted((n for n in files if n != DEMO), key=lambda n: (n not in ("model.py", "engine.py"), n))
+    parts = [f"#### `steps/{step}/{name}`\n\n" + _fence("python", files[name]) for name in order]
+    if DEMO in files:
+        parts.append(_collapsed(f"steps/{step}/run.py, the demo (click to open)", _fence("python", files[DEMO])))
+    return "\n\n".join(parts)
 
 
 def render_sources(step: str) -> str:
