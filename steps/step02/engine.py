@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -11,6 +12,14 @@ from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutp
 
 from .model import Llama
 from .sampler import make_generator, sample
+
+
+class Finish(NamedTuple):
+    """Why and where a request ended."""
+
+    reason: str  # "stop" (EOS, a stop token or a stop string) or "length" (max_tokens reached)
+    stop_reason: int | str | None  # the stop token id or stop string that ended it; None for EOS and length
+    text: str  # the output text, cut just before a stop string
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: int, n: int) -> dict[int, float]:
@@ -45,19 +54,19 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def _check_stop(self, output_ids: list[int], sp: SamplingParams):
-        """-> (finish_reason, stop_reason, text) once the request must end, else None."""
+        """-> a Finish once the request must end, else None."""
         last = output_ids[-1]
         if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
-            return "stop", None, self.tokenizer.decode(output_ids[:-1])
+            return Finish("stop", None, self.tokenizer.decode(output_ids[:-1]))
         if last in sp.stop_token_ids:
-            return "stop", last, self.tokenizer.decode(output_ids[:-1])
+            return Finish("stop", last, self.tokenizer.decode(output_ids[:-1]))
         text = self.tokenizer.decode(output_ids)
         hits = [(text.find(s), s) for s in sp.stop if s in text]
         if hits:
             cut, stop = min(hits)  # the earliest stop string; the text ends just before it
-            return "stop", stop, text[:cut]
+            return Finish("stop", stop, text[:cut])
         if len(output_ids) >= sp.max_tokens:
-            return "length", None, text
+            return Finish("length", None, text)
         return None
 
     def _generate_one(self, request_id: str, prompt: str | None, prompt_ids: list[int], sp: SamplingParams,
@@ -68,8 +77,8 @@ class LLM:
         logprobs: list[dict[int, float]] | None = [] if sp.logprobs is not None else None
         cumulative = 0.0
         generator = make_generator(sp, self.device)
-        stopped = None
-        while stopped is None:
+        finish = None
+        while finish is None:
             # The naive part: the whole sequence (prompt + everything generated so far) goes through the model.
             logits = self.model.forward(torch.tensor(tokens, device=self.device))[-1]  # [vocab]
             token_logprobs = torch.log_softmax(logits, dim=-1)
@@ -82,8 +91,8 @@ class LLM:
             now = time.perf_counter()
             metrics.token_times.append(now)
             metrics.first_token_time = metrics.first_token_time or now
-            stopped = self._check_stop(output_ids, sp)
-        finish_reason, stop_reason, text = stopped
+            finish = self._check_stop(output_ids, sp)
         metrics.finished_time = time.perf_counter()
-        completion = CompletionOutput(0, text, output_ids, cumulative, logprobs, finish_reason, stop_reason)
+        completion = CompletionOutput(0, finish.text, output_ids, cumulative, logprobs, finish.reason,
+                                      finish.stop_reason)
         return RequestOutput(request_id, prompt, list(prompt_ids), [completion], True, metrics)

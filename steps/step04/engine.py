@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -12,6 +13,14 @@ from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutp
 
 from .model import KVCache, Llama
 from .sampler import make_generator, sample
+
+
+class Finish(NamedTuple):
+    """Why and where a request ended."""
+
+    reason: str  # "stop" (EOS, a stop token or a stop string) or "length" (max_tokens reached)
+    stop_reason: int | str | None  # the stop token id or stop string that ended it; None for EOS and length
+    text: str  # the output text, cut just before a stop string
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: int, n: int) -> dict[int, float]:
@@ -35,12 +44,11 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
-    stopped: tuple | None = None  # (finish_reason, stop_reason, text) once finished
+    finish: Finish | None = None  # set once the request has finished
 
     def to_output(self) -> RequestOutput:
-        finish_reason, stop_reason, text = self.stopped
-        completion = CompletionOutput(0, text, self.output_ids, self.cumulative_logprob, self.logprobs,
-                                      finish_reason, stop_reason)
+        completion = CompletionOutput(0, self.finish.text, self.output_ids, self.cumulative_logprob, self.logprobs,
+                                      self.finish.reason, self.finish.stop_reason)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), [completion], True, self.metrics)
 
 
@@ -72,19 +80,19 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def _check_stop(self, output_ids: list[int], sp: SamplingParams):
-        """-> (finish_reason, stop_reason, text) once the request must end, else None."""
+        """-> a Finish once the request must end, else None."""
         last = output_ids[-1]
         if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
-            return "stop", None, self.tokenizer.decode(output_ids[:-1])
+            return Finish("stop", None, self.tokenizer.decode(output_ids[:-1]))
         if last in sp.stop_token_ids:
-            return "stop", last, self.tokenizer.decode(output_ids[:-1])
+            return Finish("stop", last, self.tokenizer.decode(output_ids[:-1]))
         text = self.tokenizer.decode(output_ids)
         hits = [(text.find(s), s) for s in sp.stop if s in text]
         if hits:
             cut, stop = min(hits)  # the earliest stop string; the text ends just before it
-            return "stop", stop, text[:cut]
+            return Finish("stop", stop, text[:cut])
         if len(output_ids) >= sp.max_tokens:
-            return "length", None, text
+            return Finish("length", None, text)
         return None
 
     def _append_token(self, r: Request, logits: torch.Tensor) -> None:
@@ -98,8 +106,8 @@ class LLM:
         now = time.perf_counter()
         r.metrics.token_times.append(now)
         r.metrics.first_token_time = r.metrics.first_token_time or now
-        r.stopped = self._check_stop(r.output_ids, r.params)
-        if r.stopped is not None:
+        r.finish = self._check_stop(r.output_ids, r.params)
+        if r.finish is not None:
             r.metrics.finished_time = now
 
     def _run_batch(self, requests: list[Request]) -> None:
@@ -114,14 +122,14 @@ class LLM:
         input_ids = torch.tensor([[0] * n + r.prompt_ids for n, r in zip(pads, requests)], device=self.device)  # [B, L]
         positions = (torch.arange(prompt_len, device=self.device)[None, :] - pad[:, None]).clamp(min=0)  # [B, L]
         start = 0
-        while any(r.stopped is None for r in requests):
-            done_rows = sum(r.stopped is not None for r in requests)
+        while any(r.finish is None for r in requests):
+            done_rows = sum(r.finish is not None for r in requests)
             self.stats["slots"] += B * input_ids.shape[1]
             self.stats["padding"] += sum(pads) if start == 0 else 0
             self.stats["finished"] += done_rows * input_ids.shape[1]
             logits = self.model.forward(input_ids, positions, start, cache, real_keys)  # [B, vocab]
             for row, r in enumerate(requests):
-                if r.stopped is None:
+                if r.finish is None:
                     self._append_token(r, logits[row])
             # Every row takes one more step, finished or not: a static batch runs until its longest request ends.
             start += input_ids.shape[1]

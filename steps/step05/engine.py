@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -12,7 +13,15 @@ from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutp
 
 from .model import KVCache, Llama
 from .sampler import make_generator, sample
-from .scheduler import Scheduler
+from .scheduler import RequestStatus, Scheduler
+
+
+class Finish(NamedTuple):
+    """Why and where a request ended."""
+
+    reason: str  # "stop" (EOS, a stop token or a stop string) or "length" (max_tokens reached)
+    stop_reason: int | str | None  # the stop token id or stop string that ended it; None for EOS and length
+    text: str  # the output text, cut just before a stop string
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: int, n: int) -> dict[int, float]:
@@ -36,7 +45,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
-    stopped: tuple | None = None  # (finish_reason, stop_reason, text) once finished
+    finish: Finish | None = None  # set once the request has finished
+    status: RequestStatus = RequestStatus.WAITING  # set by the scheduler (see RequestStatus)
     cache: KVCache | None = None  # allocated when the request starts running, freed when it finishes
 
     @property
@@ -44,9 +54,8 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def to_output(self) -> RequestOutput:
-        finish_reason, stop_reason, text = self.stopped
-        completion = CompletionOutput(0, text, self.output_ids, self.cumulative_logprob, self.logprobs,
-                                      finish_reason, stop_reason)
+        completion = CompletionOutput(0, self.finish.text, self.output_ids, self.cumulative_logprob, self.logprobs,
+                                      self.finish.reason, self.finish.stop_reason)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), [completion], True, self.metrics)
 
 
@@ -63,6 +72,7 @@ class LLM:
         self.backend = "plain PyTorch, continuous batching, contiguous KV cache per request"
         self.scheduler = Scheduler(max_num_seqs)
         self.next_request_id = 0
+        self.finished_outputs: list[RequestOutput] = []  # finished, not handed out yet (see generate)
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "decode_rows": 0}  # rows: requests decoded, summed
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -70,12 +80,24 @@ class LLM:
         params = normalize_sampling_params(sampling_params, len(prompts), SamplingParams(temperature=0))
         for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
             check_length(i, len(ids), sp, self.max_model_len)
+        # Everything is checked above, before anything is queued.
         request_ids = [self._add(text, ids, sp) for (text, ids), sp in zip(prompts, params)]
-        finished = {}
-        while self.has_unfinished_requests():
-            for out in self.step():
-                finished[out.request_id] = out
-        return [finished[i] for i in request_ids]
+        mine: dict[str, RequestOutput | None] = dict.fromkeys(request_ids)
+        try:
+            while None in mine.values():  # until all of ours have finished
+                if not self.has_unfinished_requests():
+                    raise RuntimeError("generate(): the scheduler lost a request")  # a bug, never a silent hang
+                for out in self._step():
+                    if out.request_id in mine:
+                        mine[out.request_id] = out
+                    else:  # a request queued with add_request(): a later step() hands it out
+                        self.finished_outputs.append(out)
+        except BaseException:  # the caller gets the error, not our outputs: drop what is left of ours
+            for request_id, out in mine.items():
+                if out is None:
+                    self.abort_request(request_id)
+            raise
+        return list(mine.values())
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> str:
         """Queue one request (a string or token ids); it joins the running batch at a coming step()."""
@@ -94,24 +116,45 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort_request(self, request_id: str) -> None:
+        """Drop a waiting or running request: it leaves the queues, releases its KV memory and is never returned."""
+        for r in [*self.scheduler.waiting, *self.scheduler.running]:
+            if r.request_id == request_id:
+                self.scheduler.finish(r)
+                r.cache = None
+
     def step(self) -> list[RequestOutput]:
         """One iteration: prefill the requests that join, or decode one token for every running request.
-        Returns the requests that finished in this iteration."""
+        Returns the requests that finished in this iteration,
+        and any that finished earlier without being handed out (while another caller's generate() ran).
+        An idle engine returns []."""
+        handed_out, self.finished_outputs = self.finished_outputs, []
+        return handed_out + self._step()
+
+    def _step(self) -> list[RequestOutput]:
         kind, batch = self.scheduler.schedule()
-        if kind == "prefill":
-            self.stats["prefill_steps"] += 1
-            for r in batch:  # prompts differ in length: one forward each
-                r.cache = KVCache(self.model.config, len(r.prompt_ids) + r.params.max_tokens, self.device, self.dtype)
-                logits = self.model.forward(torch.tensor([r.prompt_ids], device=self.device), [0], [r.cache])
-                self._append_token(r, logits[0])
-        else:
-            self.stats["decode_steps"] += 1
-            self.stats["decode_rows"] += len(batch)
-            input_ids = torch.tensor([[r.output_ids[-1]] for r in batch], device=self.device)  # [B, 1]
-            logits = self.model.forward(input_ids, [r.num_tokens - 1 for r in batch], [r.cache for r in batch])
-            for r, row_logits in zip(batch, logits):
-                self._append_token(r, row_logits)
-        finished = [r for r in batch if r.stopped is not None]
+        if not batch:  # idle: nothing waits or runs
+            return []
+        try:
+            if kind == "prefill":
+                self.stats["prefill_steps"] += 1
+                for r in batch:  # prompts differ in length: one forward each
+                    r.cache = KVCache(self.model.config, len(r.prompt_ids) + r.params.max_tokens,
+                                      self.device, self.dtype)
+                    logits = self.model.forward(torch.tensor([r.prompt_ids], device=self.device), [0], [r.cache])
+                    self._append_token(r, logits[0])
+            else:
+                self.stats["decode_steps"] += 1
+                self.stats["decode_rows"] += len(batch)
+                input_ids = torch.tensor([[r.output_ids[-1]] for r in batch], device=self.device)  # [B, 1]
+                logits = self.model.forward(input_ids, [r.num_tokens - 1 for r in batch], [r.cache for r in batch])
+                for r, row_logits in zip(batch, logits):
+                    self._append_token(r, row_logits)
+        except BaseException:  # a failure mid-step leaves these requests half-updated: drop them, then re-raise
+            for r in batch:
+                self.abort_request(r.request_id)
+            raise
+        finished = [r for r in batch if r.finish is not None]
         for r in finished:
             self.scheduler.finish(r)
             r.cache = None  # its memory is free for the next request
@@ -122,19 +165,19 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def _check_stop(self, output_ids: list[int], sp: SamplingParams):
-        """-> (finish_reason, stop_reason, text) once the request must end, else None."""
+        """-> a Finish once the request must end, else None."""
         last = output_ids[-1]
         if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
-            return "stop", None, self.tokenizer.decode(output_ids[:-1])
+            return Finish("stop", None, self.tokenizer.decode(output_ids[:-1]))
         if last in sp.stop_token_ids:
-            return "stop", last, self.tokenizer.decode(output_ids[:-1])
+            return Finish("stop", last, self.tokenizer.decode(output_ids[:-1]))
         text = self.tokenizer.decode(output_ids)
         hits = [(text.find(s), s) for s in sp.stop if s in text]
         if hits:
             cut, stop = min(hits)  # the earliest stop string; the text ends just before it
-            return "stop", stop, text[:cut]
+            return Finish("stop", stop, text[:cut])
         if len(output_ids) >= sp.max_tokens:
-            return "length", None, text
+            return Finish("length", None, text)
         return None
 
     def _append_token(self, r: Request, logits: torch.Tensor) -> None:
@@ -148,6 +191,6 @@ class LLM:
         now = time.perf_counter()
         r.metrics.token_times.append(now)
         r.metrics.first_token_time = r.metrics.first_token_time or now
-        r.stopped = self._check_stop(r.output_ids, r.params)
-        if r.stopped is not None:
+        r.finish = self._check_stop(r.output_ids, r.params)
+        if r.finish is not None:
             r.metrics.finished_time = now

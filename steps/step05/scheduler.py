@@ -7,7 +7,16 @@ for every running request.
 """
 from __future__ import annotations
 
+import enum
 from collections import deque
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life (request.status)."""
+
+    WAITING = "waiting"  # queued, holds no KV memory yet
+    RUNNING = "running"  # in the batch: holds KV memory
+    FINISHED = "finished"  # done or aborted: it has left the queues and holds nothing
 
 
 class Scheduler:
@@ -17,6 +26,7 @@ class Scheduler:
         self.running: list = []  # started: each holds a KV cache
 
     def add(self, request) -> None:
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -28,10 +38,13 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
             self.running.append(request)
+            request.status = RequestStatus.RUNNING
             joined.append(request)
         if joined:
             return "prefill", joined
         return "decode", list(self.running)
 
     def finish(self, request) -> None:
-        self.running.remove(request)
+        """The request leaves for good (finished, or aborted while waiting or running), releasing its KV memory."""
+        (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
+        request.status = RequestStatus.FINISHED

@@ -7,7 +7,16 @@ arrival order. A long prompt is prefilled over several iterations and never stal
 """
 from __future__ import annotations
 
+import enum
 from collections import deque
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life (request.status)."""
+
+    WAITING = "waiting"  # queued, holds no KV memory yet
+    RUNNING = "running"  # in the batch: holds KV memory
+    FINISHED = "finished"  # done or aborted: it has left the queues and holds nothing
 
 
 class Scheduler:
@@ -18,6 +27,7 @@ class Scheduler:
         self.running: list = []  # started: each holds a KV cache
 
     def add(self, request) -> None:
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -26,7 +36,9 @@ class Scheduler:
     def schedule(self) -> tuple[list, list[tuple]]:
         """-> (requests that decode one token, [(request, number of prompt tokens to prefill)])."""
         while self.waiting and len(self.running) < self.max_num_seqs:
-            self.running.append(self.waiting.popleft())
+            request = self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
         budget = self.max_num_batched_tokens
         # A request decodes when exactly one of its tokens (the newest) has no KV yet.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1][:budget]
@@ -46,4 +58,6 @@ class Scheduler:
         return decodes, chunks
 
     def finish(self, request) -> None:
-        self.running.remove(request)
+        """The request leaves for good (finished, or aborted while waiting or running), releasing its KV memory."""
+        (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
+        request.status = RequestStatus.FINISHED

@@ -12,7 +12,17 @@ freed and it goes back to the front of the queue, to be recomputed from its toke
 """
 from __future__ import annotations
 
+import enum
 from collections import deque
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life (request.status)."""
+
+    WAITING = "waiting"  # queued, holds no KV memory yet
+    RUNNING = "running"  # in the batch: holds KV memory
+    PREEMPTED = "preempted"  # lost its KV to make room; waits at the front of the queue to be recomputed
+    FINISHED = "finished"  # done or aborted: it has left the queues and holds nothing
 
 
 class Scheduler:
@@ -26,6 +36,7 @@ class Scheduler:
         self.running: list = []  # started: each holds a KV cache
 
     def add(self, request) -> None:
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -40,6 +51,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            request.status = RequestStatus.RUNNING
             request.reserved_tokens = request.num_tokens
             self.reserved_tokens += request.num_tokens
         budget = self.max_num_batched_tokens
@@ -86,6 +98,7 @@ class Scheduler:
         """Free the request's cache and send it back to the front of the queue; it is recomputed later."""
         self.running.remove(request)
         self.waiting.appendleft(request)
+        request.status = RequestStatus.PREEMPTED
         self.reserved_tokens -= request.reserved_tokens
         request.reserved_tokens = 0
         request.num_computed_tokens = 0
@@ -93,6 +106,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, request) -> None:
-        self.running.remove(request)
+        """The request leaves for good (finished, or aborted while waiting or running), releasing its KV memory."""
+        (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
         self.reserved_tokens -= request.reserved_tokens
         request.reserved_tokens = 0
+        request.status = RequestStatus.FINISHED

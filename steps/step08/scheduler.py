@@ -12,7 +12,17 @@ goes back to the front of the queue, to be recomputed from its tokens later.
 """
 from __future__ import annotations
 
+import enum
 from collections import deque
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life (request.status)."""
+
+    WAITING = "waiting"  # queued, holds no KV memory yet
+    RUNNING = "running"  # in the batch: holds KV memory
+    PREEMPTED = "preempted"  # lost its KV to make room; waits at the front of the queue to be recomputed
+    FINISHED = "finished"  # done or aborted: it has left the queues and holds nothing
 
 
 class Scheduler:
@@ -25,6 +35,7 @@ class Scheduler:
         self.running: list = []  # started: each owns KV blocks
 
     def add(self, request) -> None:
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -42,6 +53,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            request.status = RequestStatus.RUNNING
             self.block_manager.allocate(request, request.num_tokens)
         budget = self.max_num_batched_tokens
         # A request decodes when exactly one of its tokens (the newest) has no KV yet; oldest requests first.
@@ -81,10 +93,13 @@ class Scheduler:
         """Free the request's blocks and send it back to the front of the queue; it is recomputed later."""
         self.running.remove(request)
         self.waiting.appendleft(request)
+        request.status = RequestStatus.PREEMPTED
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         self.num_preemptions += 1
 
     def finish(self, request) -> None:
-        self.running.remove(request)
+        """The request leaves for good (finished, or aborted while waiting or running), releasing its KV memory."""
+        (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
         self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED

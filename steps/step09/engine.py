@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -13,7 +14,15 @@ from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutp
 from .block_manager import BlockManager
 from .model import KVPool, Llama
 from .sampler import make_generator, sample
-from .scheduler import Scheduler
+from .scheduler import RequestStatus, Scheduler
+
+
+class Finish(NamedTuple):
+    """Why and where a request ended."""
+
+    reason: str  # "stop" (EOS, a stop token or a stop string) or "length" (max_tokens reached)
+    stop_reason: int | str | None  # the stop token id or stop string that ended it; None for EOS and length
+    text: str  # the output text, cut just before a stop string
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: int, n: int) -> dict[int, float]:
@@ -37,7 +46,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
-    stopped: tuple | None = None  # (finish_reason, stop_reason, text) once finished
+    finish: Finish | None = None  # set once the request has finished
+    status: RequestStatus = RequestStatus.WAITING  # set by the scheduler (see RequestStatus)
     block_table: list[int] = field(default_factory=list)  # the pool blocks holding this request's K/V, in order
     num_computed_tokens: int = 0  # tokens (prompt, then generated) whose K/V are in the pool
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block of block_table
@@ -51,9 +61,8 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def to_output(self) -> RequestOutput:
-        finish_reason, stop_reason, text = self.stopped
-        completion = CompletionOutput(0, text, self.output_ids, self.cumulative_logprob, self.logprobs,
-                                      finish_reason, stop_reason)
+        completion = CompletionOutput(0, self.finish.text, self.output_ids, self.cumulative_logprob, self.logprobs,
+                                      self.finish.reason, self.finish.stop_reason)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), [completion], True, self.metrics)
 
 
@@ -85,6 +94,7 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.block_manager)
         self.next_request_id = 0
+        self.finished_outputs: list[RequestOutput] = []  # finished, not handed out yet (see generate)
         self.stats = {"prefill_chunks": 0, "decode_steps": 0, "decode_rows": 0}  # rows: requests decoded, summed
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -93,12 +103,24 @@ class LLM:
         for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
             check_length(i, len(ids), sp, self.max_model_len)
             self._check_fits_kv_budget(i, len(ids), sp)
+        # Everything is checked above, before anything is queued.
         request_ids = [self._add(text, ids, sp) for (text, ids), sp in zip(prompts, params)]
-        finished = {}
-        while self.has_unfinished_requests():
-            for out in self.step():
-                finished[out.request_id] = out
-        return [finished[i] for i in request_ids]
+        mine: dict[str, RequestOutput | None] = dict.fromkeys(request_ids)
+        try:
+            while None in mine.values():  # until all of ours have finished
+                if not self.has_unfinished_requests():
+                    raise RuntimeError("generate(): the scheduler lost a request")  # a bug, never a silent hang
+                for out in self._step():
+                    if out.request_id in mine:
+                        mine[out.request_id] = out
+                    else:  # a request queued with add_request(): a later step() hands it out
+                        self.finished_outputs.append(out)
+        except BaseException:  # the caller gets the error, not our outputs: drop what is left of ours
+            for request_id, out in mine.items():
+                if out is None:
+                    self.abort_request(request_id)
+            raise
+        return list(mine.values())
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> str:
         """Queue one request (a string or token ids); it joins the running batch at a coming step()."""
@@ -126,30 +148,50 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort_request(self, request_id: str) -> None:
+        """Drop a waiting or running request: it leaves the queues, releases its KV memory and is never returned."""
+        for r in [*self.scheduler.waiting, *self.scheduler.running]:
+            if r.request_id == request_id:
+                self.scheduler.finish(r)
+
     def step(self) -> list[RequestOutput]:
         """One iteration: decode one token for every decoding request, then prefill the scheduled prompt
-        chunks, all within the token budget. Returns the requests that finished in this iteration."""
+        chunks, all within the token budget. Returns the requests that finished in this iteration,
+        and any that finished earlier without being handed out (while another caller's generate() ran).
+        An idle engine returns []."""
+        handed_out, self.finished_outputs = self.finished_outputs, []
+        return handed_out + self._step()
+
+    def _step(self) -> list[RequestOutput]:
         decodes, chunks = self.scheduler.schedule()
-        if decodes:  # decodes first: a long prompt arriving does not stall the running requests
-            self.stats["decode_steps"] += 1
-            self.stats["decode_rows"] += len(decodes)
-            input_ids = torch.tensor([[r.token_ids[-1]] for r in decodes], device=self.device)  # [B, 1]
-            logits = self.model.forward(input_ids, [r.num_computed_tokens for r in decodes],
-                                        [r.block_table for r in decodes], self.pool)
-            for r, row_logits in zip(decodes, logits):
-                r.num_computed_tokens += 1
-                self.block_manager.cache_full_blocks(r)
-                self._append_token(r, row_logits)
-        for r, n in chunks:  # prompts differ in length: one forward per chunk
-            self.stats["prefill_chunks"] += 1
-            start = r.num_computed_tokens
-            chunk = torch.tensor([r.token_ids[start:start + n]], device=self.device)  # [1, n]
-            logits = self.model.forward(chunk, [start], [r.block_table], self.pool)
-            r.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(r)  # its full blocks can now be shared
-            if r.num_computed_tokens == r.num_tokens:  # the prompt's last chunk: its logits give the first token
-                self._append_token(r, logits[0])
-        finished = [r for r in decodes + [r for r, _ in chunks] if r.stopped is not None]
+        scheduled = decodes + [r for r, _ in chunks]
+        if not scheduled:  # idle: nothing waits or runs
+            return []
+        try:
+            if decodes:  # decodes first: a long prompt arriving does not stall the running requests
+                self.stats["decode_steps"] += 1
+                self.stats["decode_rows"] += len(decodes)
+                input_ids = torch.tensor([[r.token_ids[-1]] for r in decodes], device=self.device)  # [B, 1]
+                logits = self.model.forward(input_ids, [r.num_computed_tokens for r in decodes],
+                                            [r.block_table for r in decodes], self.pool)
+                for r, row_logits in zip(decodes, logits):
+                    r.num_computed_tokens += 1
+                    self.block_manager.cache_full_blocks(r)
+                    self._append_token(r, row_logits)
+            for r, n in chunks:  # prompts differ in length: one forward per chunk
+                self.stats["prefill_chunks"] += 1
+                start = r.num_computed_tokens
+                chunk = torch.tensor([r.token_ids[start:start + n]], device=self.device)  # [1, n]
+                logits = self.model.forward(chunk, [start], [r.block_table], self.pool)
+                r.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(r)  # its full blocks can now be shared
+                if r.num_computed_tokens == r.num_tokens:  # the prompt's last chunk: its logits give the first token
+                    self._append_token(r, logits[0])
+        except BaseException:  # a failure mid-step leaves these requests half-updated: drop them, then re-raise
+            for r in scheduled:
+                self.abort_request(r.request_id)
+            raise
+        finished = [r for r in scheduled if r.finish is not None]
         for r in finished:
             self.scheduler.finish(r)  # its blocks go back to the free list
         return [r.to_output() for r in finished]
@@ -159,19 +201,19 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def _check_stop(self, output_ids: list[int], sp: SamplingParams):
-        """-> (finish_reason, stop_reason, text) once the request must end, else None."""
+        """-> a Finish once the request must end, else None."""
         last = output_ids[-1]
         if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
-            return "stop", None, self.tokenizer.decode(output_ids[:-1])
+            return Finish("stop", None, self.tokenizer.decode(output_ids[:-1]))
         if last in sp.stop_token_ids:
-            return "stop", last, self.tokenizer.decode(output_ids[:-1])
+            return Finish("stop", last, self.tokenizer.decode(output_ids[:-1]))
         text = self.tokenizer.decode(output_ids)
         hits = [(text.find(s), s) for s in sp.stop if s in text]
         if hits:
             cut, stop = min(hits)  # the earliest stop string; the text ends just before it
-            return "stop", stop, text[:cut]
+            return Finish("stop", stop, text[:cut])
         if len(output_ids) >= sp.max_tokens:
-            return "length", None, text
+            return Finish("length", None, text)
         return None
 
     def _append_token(self, r: Request, logits: torch.Tensor) -> None:
@@ -185,6 +227,6 @@ class LLM:
         now = time.perf_counter()
         r.metrics.token_times.append(now)
         r.metrics.first_token_time = r.metrics.first_token_time or now
-        r.stopped = self._check_stop(r.output_ids, r.params)
-        if r.stopped is not None:
+        r.finish = self._check_stop(r.output_ids, r.params)
+        if r.finish is not None:
             r.metrics.finished_time = now

@@ -1,0 +1,155 @@
+"""The engine keeps every request and survives bad input (steps with a scheduler: add_request / step).
+
+An idle step() returns []; a request queued with add_request() is never lost, even when another caller's
+generate() runs meanwhile; a request has a status; a failure in the middle of a step releases what the
+failed requests held and leaves the engine ready for the next request.
+"""
+import pytest
+import torch
+
+from conftest import STEPS
+from shared import SamplingParams
+from shared.testing import load_engine
+from test_part2 import MAX_TOKENS, PROMPTS, TINY, assert_same, greedy, reference
+
+SCHEDULED = STEPS[STEPS.index("step05"):]
+
+
+def engine(step, **options):
+    return load_engine(step).LLM(TINY, device="cpu", **options)
+
+
+def drain(llm) -> dict:
+    outs = {}
+    for _ in range(10_000):
+        if not llm.has_unfinished_requests():
+            return outs
+        outs.update({o.request_id: o for o in llm.step()})
+    raise AssertionError("the engine does not finish")
+
+
+def assert_clean(llm):
+    """Nothing queued, nothing running, no KV memory held."""
+    assert not llm.has_unfinished_requests()
+    assert not llm.scheduler.running and not llm.scheduler.waiting
+    if hasattr(llm.scheduler, "reserved_tokens"):
+        assert llm.scheduler.reserved_tokens == 0
+    if hasattr(llm, "block_manager"):
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "blocks leaked"
+
+
+@pytest.mark.parametrize("step", SCHEDULED)
+def test_idle_step_returns_nothing(step):
+    llm = engine(step)
+    assert llm.step() == []
+    llm.generate([[1, 2, 3]], greedy(2))
+    assert llm.step() == []
+
+
+@pytest.mark.parametrize("step", SCHEDULED)
+def test_add_request_is_never_lost_to_generate(step):
+    llm = engine(step)
+    queued = llm.add_request(PROMPTS[1], greedy(MAX_TOKENS[1]))
+    outs = llm.generate([PROMPTS[0], PROMPTS[2]], [greedy(MAX_TOKENS[0]), greedy(MAX_TOKENS[2])])
+    assert [o.request_id for o in outs] == [str(int(queued) + 1), str(int(queued) + 2)], "generate returns its own"
+    later = drain(llm)
+    if queued not in later:  # it finished during generate(): the next step() hands it out
+        later.update({o.request_id: o for o in llm.step()})
+    assert queued in later, "a request queued with add_request() was lost"
+    expected = reference([greedy(n) for n in MAX_TOKENS])
+    assert_same([o.outputs[0] for o in outs] + [later[queued].outputs[0]], [expected[0], expected[2], expected[1]], step)
+    assert llm.step() == [], "handed out once only"
+
+
+@pytest.mark.parametrize("step", SCHEDULED)
+def test_request_status_follows_its_life(step):
+    engine_module = load_engine(step)
+    status = engine_module.RequestStatus
+    llm = engine(step)
+    rid = llm.add_request(PROMPTS[3], greedy(3))
+    request = llm.scheduler.waiting[0]
+    assert request.request_id == rid and request.status is status.WAITING
+    llm.step()
+    assert request.status is status.RUNNING
+    drain(llm)
+    assert request.status is status.FINISHED and request.finish.reason == "length"
+    assert request.finish == (request.finish.reason, request.finish.stop_reason, request.finish.text)
+
+
+@pytest.mark.parametrize("step", [s for s in SCHEDULED if s >= "step07"])
+def test_preempted_status(step):
+    status = load_engine(step).RequestStatus
+    options = {"block_size": 16} if step >= "step08" else {}
+    llm = engine(step, max_num_seqs=8, max_kv_tokens=80, **options)
+    seen = set()
+    for p, n in zip(PROMPTS, MAX_TOKENS):
+        llm.add_request(p, greedy(n))
+    while llm.has_unfinished_requests():
+        llm.step()
+        seen |= {r.status for r in llm.scheduler.waiting}
+    assert status.PREEMPTED in seen and llm.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("step", SCHEDULED)
+def test_nan_temperature_is_refused_before_anything_is_queued(step):
+    llm = engine(step)
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate(PROMPTS[:2], [greedy(4), SamplingParams(temperature=float("nan"), max_tokens=4)])
+    assert_clean(llm)
+    out = llm.generate([PROMPTS[0]], greedy(MAX_TOKENS[0]))  # the next good request is served
+    assert_same([out[0].outputs[0]], reference([greedy(n) for n in MAX_TOKENS])[:1], step)
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("step", SCHEDULED)
+@pytest.mark.parametrize("fail_at", [1, 4])
+def test_a_failure_mid_way_leaves_nothing_behind(step, fail_at, monkeypatch):
+    llm = engine(step, max_num_seqs=3)
+    bystander = llm.add_request(PROMPTS[7], greedy(MAX_TOKENS[7]))  # queued by someone else, before the failure
+    calls = {"n": 0}
+    forward = llm.model.forward
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise InjectedFailure(f"forward call {fail_at}")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm.model, "forward", failing_forward)
+    with pytest.raises(InjectedFailure):
+        llm.generate(PROMPTS[:5], [greedy(n) for n in MAX_TOKENS[:5]])
+    assert calls["n"] == fail_at
+    # generate()'s own requests are gone; the bystander either failed with the step or is still served.
+    left = [r.request_id for r in [*llm.scheduler.waiting, *llm.scheduler.running]]
+    assert set(left) <= {bystander}, f"generate() left its requests behind: {left}"
+    outs = drain(llm)
+    outs.update({o.request_id: o for o in llm.step()})
+    assert set(outs) <= {bystander}
+    assert_clean(llm)
+    monkeypatch.setattr(llm.model, "forward", forward)
+    expected = reference([greedy(n) for n in MAX_TOKENS])
+    if bystander in outs:
+        assert_same([outs[bystander].outputs[0]], expected[7:8], step)
+    again = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])  # the engine serves the next requests
+    assert_same([o.outputs[0] for o in again], expected, step)
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("step", SCHEDULED)
+def test_a_failing_sampler_releases_the_batch(step, monkeypatch):
+    llm = engine(step)
+    engine_module = load_engine(step)
+
+    def broken_sample(logits, sp, generator):
+        raise InjectedFailure("sampler")
+
+    monkeypatch.setattr(engine_module, "sample", broken_sample)
+    with pytest.raises(InjectedFailure):
+        llm.generate(PROMPTS[:3], [greedy(4)] * 3)
+    assert_clean(llm)
+    monkeypatch.undo()
+    assert len(llm.generate([PROMPTS[0]], greedy(2))[0].outputs[0].token_ids) == 2
+    assert torch.is_tensor(llm.model.embed_tokens.weight) if hasattr(llm.model, "embed_tokens") else True
