@@ -75,10 +75,11 @@ def check_invariants(bm, requests):
     for b in range(bm.num_blocks):
         assert not (b in owners and b in bm.free_blocks), f"block {b} is both free and owned"
         assert b in owners or b in bm.free_blocks, f"block {b} is neither free nor owned: leaked"
-        if hasattr(bm, "ref_count"):
-            assert bm.ref_count[b] >= 0 and bm.ref_count[b] == owners.get(b, 0), f"block {b}: wrong ref count"
+        if hasattr(bm, "blocks"):  # prefix caching: blocks are shared, counted by ref_count
+            assert bm.blocks[b].ref_count == owners.get(b, 0), f"block {b}: ref count {bm.blocks[b].ref_count}"
     if hasattr(bm, "cached"):
-        assert all(bm.block_key[b][0] == h for h, b in bm.cached.items())
+        assert all(bm.blocks[b].hash == h for h, b in bm.cached.items()), "the prefix cache points at a wrong block"
+        assert len(set(bm.cached.values())) == len(bm.cached), "one block cached under two hashes"
         for r in requests:  # shared blocks are full and computed: nobody writes into them
             assert len(r.block_hashes) <= r.num_computed_tokens // bm.block_size
 
@@ -97,7 +98,7 @@ def test_block_manager_invariants(step, ops):
             tokens = (shared_prefix if x % 2 else []) + [rng.randrange(50) for _ in range(1 + x % 10)]
             r = FakeRequest(tokens)
             if bm.can_allocate(r, r.num_tokens):
-                bm.allocate(r, r.num_tokens)
+                r.num_computed_tokens = bm.allocate(r, r.num_tokens) or 0  # step09: tokens found in the cache
                 live.append(r)
         elif op in ("grow", "finish", "preempt") and live:
             r = live[x % len(live)]
@@ -114,7 +115,7 @@ def test_block_manager_invariants(step, ops):
                 if op == "preempt":  # back later, from nothing
                     r.num_computed_tokens = 0
                     if bm.can_allocate(r, r.num_tokens):
-                        bm.allocate(r, r.num_tokens)
+                        r.num_computed_tokens = bm.allocate(r, r.num_tokens) or 0
                         live.append(r)
         check_invariants(bm, live)
     for r in live:

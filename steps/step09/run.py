@@ -42,8 +42,7 @@ def show_lesson(llm, args) -> None:
     for enabled in (False, True):
         bm = llm.block_manager
         bm.enable_prefix_caching = enabled
-        bm.cached.clear(), bm.block_key.clear()
-        bm.stats = {"lookups": 0, "hits": 0, "tokens_saved": 0}
+        bm.reset_prefix_cache()
         llm.chat(conversations[0], params)  # the first user: its blocks enter the prefix cache
         start = time.perf_counter()
         outs = llm.chat(conversations[1:], params)

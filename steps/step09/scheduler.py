@@ -54,7 +54,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            self.block_manager.allocate(request, request.num_tokens)
+            request.num_computed_tokens = self.block_manager.allocate(request, request.num_tokens)  # prefix hits
         budget = self.max_num_batched_tokens
         # A request decodes when exactly one of its tokens (the newest) has no KV yet; oldest requests first.
         decodes = []
