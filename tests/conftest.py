@@ -49,6 +49,8 @@ def greedy_outputs(step: str, model: str):
 
 @functools.lru_cache(maxsize=4)
 def cached_llm(step: str, model: str):
+    """An engine shared by tests across files, to save load time. Use it with its default options only and
+    never change its settings or limits: a test that needs other options builds its own engine."""
     from shared.testing import load_engine
 
     return load_engine(step).LLM(model, device="cpu", dtype="float32")
