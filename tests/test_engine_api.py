@@ -49,16 +49,43 @@ def test_idle_step_returns_nothing(step):
 @pytest.mark.parametrize("step", SCHEDULED)
 def test_add_request_is_never_lost_to_generate(step):
     llm = engine(step)
-    queued = llm.add_request(PROMPTS[1], greedy(MAX_TOKENS[1]))
-    outs = llm.generate([PROMPTS[0], PROMPTS[2]], [greedy(MAX_TOKENS[0]), greedy(MAX_TOKENS[2])])
+    queued = llm.add_request(PROMPTS[2], greedy(MAX_TOKENS[2]))  # 1 token: it finishes during generate() below
+    outs = llm.generate([PROMPTS[0], PROMPTS[1]], [greedy(MAX_TOKENS[0]), greedy(MAX_TOKENS[1])])
     assert [o.request_id for o in outs] == [str(int(queued) + 1), str(int(queued) + 2)], "generate returns its own"
-    later = drain(llm)
-    if queued not in later:  # it finished during generate(): the next step() hands it out
-        later.update({o.request_id: o for o in llm.step()})
-    assert queued in later, "a request queued with add_request() was lost"
+    assert not llm.has_unfinished_requests()
+    handed_out = llm.step()  # the engine is idle, but it still holds the finished request for its caller
+    assert [o.request_id for o in handed_out] == [queued], "a request queued with add_request() was lost"
     expected = reference([greedy(n) for n in MAX_TOKENS])
-    assert_same([o.outputs[0] for o in outs] + [later[queued].outputs[0]], [expected[0], expected[2], expected[1]], step)
+    assert_same([o.outputs[0] for o in outs + handed_out], expected[:3], step)
     assert llm.step() == [], "handed out once only"
+
+
+@pytest.mark.parametrize("step", SCHEDULED)
+@pytest.mark.parametrize("fail_at", [1, 2, 5])
+def test_a_failed_step_drops_its_requests(step, fail_at, monkeypatch):
+    """Driving step() directly: the requests of a step that fails (forward call `fail_at`; with three prompts
+    to prefill, call 2 falls in the middle of a step from step06 on) leave the queues and free their memory."""
+    llm = engine(step)
+    forward, calls = llm.model.forward, {"n": 0}
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise InjectedFailure(f"forward call {fail_at}")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm.model, "forward", failing_forward)
+    ids = [llm.add_request(p, greedy(n)) for p, n in zip(PROMPTS[:3], (12, 12, 12))]
+    finished = []
+    with pytest.raises(InjectedFailure):
+        for _ in range(100):
+            finished += llm.step()
+    assert not finished
+    assert_clean(llm)  # all three ran in the step that failed: all three are dropped, nothing is held
+    monkeypatch.setattr(llm.model, "forward", forward)
+    again = llm.generate(PROMPTS[:3], [greedy(n) for n in (12, 12, 12)])
+    assert [o.request_id for o in again] == [str(int(ids[-1]) + i) for i in (1, 2, 3)]
+    assert_same([o.outputs[0] for o in again], reference([greedy(12)] * 8)[:3], step)
 
 
 @pytest.mark.parametrize("step", SCHEDULED)
