@@ -151,13 +151,14 @@ def test_outputs_identical_with_cache_on_and_off(step):
 def run_two(llm, first, second):
     """Start `first`, let it compute its prompt, then submit `second`; run both to the end."""
     sp = greedy(8)
-    llm.add_request(first, sp)
-    while llm.scheduler.waiting or any(r.num_computed_tokens < len(first) for r in llm.scheduler.running):
-        llm.step()
-    llm.add_request(second, sp)
+    ids = [llm.add_request(first, sp)]
     outs = {}
+    while llm.scheduler.waiting or any(r.num_computed_tokens < len(first) for r in llm.scheduler.running):
+        outs.update({o.request_id: o for o in llm.step()})
+    ids.append(llm.add_request(second, sp))
     while llm.has_unfinished_requests():
         outs.update({o.request_id: o for o in llm.step()})
+    assert sorted(outs) == sorted(ids), f"requests {sorted(set(ids) - set(outs))} never came out of step()"
     return outs
 
 
@@ -179,9 +180,42 @@ def test_hash_collisions_never_share_different_tokens(step, monkeypatch):
     assert llm.block_manager.stats["hits"] == 0, "a hash collision shared blocks of different tokens"
     expected = cached_llm("step03", TINY).generate([other], greedy(8))[0].outputs[0]
     assert_same([outs["1"].outputs[0]], [expected], step)
-    # With the same tokens, the collision-proof check still lets the first block hit (its previous block
-    # is None), and then refuses the second (registered under another previous block), never a wrong one.
+    # Same tokens as the first request: block 0 hits (same hash, same tokens, no previous block). Block 1 finds
+    # block 0 under the forced hash 42 too, and there the token check refuses it: never a wrong block.
     llm2 = load_engine(step).LLM(TINY, device="cpu", block_size=16)
     outs2 = run_two(llm2, SHARING_PROMPTS[1], SHARING_PROMPTS[3])
+    assert llm2.block_manager.stats["hits"] == 1
     expected = cached_llm("step03", TINY).generate([SHARING_PROMPTS[3]], greedy(8))[0].outputs[0]
     assert_same([outs2["1"].outputs[0]], [expected], step)
+
+
+@pytest.mark.parametrize("step", PREFIX)
+def test_the_parent_block_tells_repeated_blocks_apart(step, monkeypatch):
+    """A hash of the block's tokens alone (the chain dropped): blocks of repeated tokens then collide with
+    equal tokens, and only the parent check keeps the second [5]*16 block from reusing the first one's K/V
+    (computed at positions 0-15, not 16-31)."""
+    block_manager = importlib.import_module(f"steps.{step}.block_manager")
+    monkeypatch.setattr(block_manager, "block_hash", lambda parent_hash, token_ids: hash(token_ids))
+    llm = load_engine(step).LLM(TINY, device="cpu", block_size=16)
+    first = [5] * 16 + [7] * 16 + [9, 8, 7]
+    second = [5] * 16 + [5] * 16 + [7] * 16 + [1, 2]
+    outs = run_two(llm, first, second)
+    assert llm.block_manager.stats["hits"] == 1, "only block 0 may be shared"
+    expected = cached_llm("step03", TINY).generate([second], greedy(8))[0].outputs[0]
+    assert_same([outs["1"].outputs[0]], [expected], step)
+
+
+@pytest.mark.parametrize("step", PREFIX)
+def test_can_allocate_counts_hits_and_allocate_returns_them(step):
+    bm = importlib.import_module(f"steps.{step}.block_manager").BlockManager(num_blocks=6, block_size=4)
+    a = FakeRequest(list(range(17)))  # 4 full blocks + 1
+    assert bm.allocate(a, a.num_tokens) == 0
+    a.num_computed_tokens = a.num_tokens
+    bm.cache_full_blocks(a)
+    assert bm.num_free_blocks == 1
+    b = FakeRequest(list(range(16)) + [99, 98, 97])  # shares a's 4 full blocks, needs 5 in all
+    assert bm.can_allocate(b, b.num_tokens), "4 of b's 5 blocks are cached and held by a: 1 free block is enough"
+    assert bm.allocate(b, b.num_tokens) == 16, "allocate returns the tokens found in the cache"
+    assert b.block_table[:4] == a.block_table[:4] and bm.num_free_blocks == 0
+    c = FakeRequest(list(range(16)) + list(range(50, 60)))  # 4 cached blocks + 3 new ones, and none is free
+    assert not bm.can_allocate(c, c.num_tokens)
