@@ -23,6 +23,7 @@ def test_eos_and_max_tokens(step):
     assert ignored.finish_reason == "length" and len(ignored.token_ids) == len(out.token_ids) + 2
 
 
+@pytest.mark.slow  # two 40-token real-model runs per step: in make test, not make test-fast
 @pytest.mark.parametrize("step", STOP_STEPS)
 def test_stop_string_cuts_the_text(step):
     llm = cached_llm(step, "smollm2-135m")
