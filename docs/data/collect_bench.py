@@ -6,6 +6,12 @@
 --results takes files written by `run_all.py --bench --json` (a list) or lines of `python -m shared.bench`
 output (one JSON object per line, BENCH_JSON prefix removed). Results are grouped by workload and step;
 --command WORKLOAD=CMD records how each workload was run. Nothing is computed here: numbers are copied.
+
+A chapter's own run goes in beside the others, under its own workload keys, without touching them:
+    python docs/data/collect_bench.py --device h200 --merge --suffix step10 --model random:smollm2-135m ... \
+        --results /tmp/mixed.jsonl --command "mixed=python -m shared.bench ..."     -> workload "mixed-step10"
+With --merge the file's other workloads and its description stay; the new entries carry their own model, date
+and commit (the docs' captions name them).
 """
 import argparse
 import json
@@ -32,17 +38,29 @@ def main() -> None:
     p.add_argument("--note", default="")
     p.add_argument("--results", nargs="+", type=Path, required=True)
     p.add_argument("--command", nargs="+", default=[], help="WORKLOAD=COMMAND")
+    p.add_argument("--suffix", default="", help="store each workload as WORKLOAD-SUFFIX (a chapter's own run)")
+    p.add_argument("--merge", action="store_true", help="add to the existing file instead of rewriting it")
     args = p.parse_args()
     commands = dict(c.split("=", 1) for c in args.command)
     workloads: dict = {}
     for path in args.results:
         for r in read_results(path):
             assert r["model"] == args.model, (r["model"], args.model)
-            wl = workloads.setdefault(r["workload"], {"command": commands.get(r["workload"], "?"), "steps": {}})
+            key = f"{r['workload']}-{args.suffix}" if args.suffix else r["workload"]
+            wl = workloads.setdefault(key, {"command": commands.get(r["workload"], "?"), "steps": {}})
+            if args.merge:
+                wl.update(model=args.model, date=args.date, git_commit=args.commit)
             wl["steps"][r["step"]] = {k: r[k] for k in KEEP if k in r}
-    out = {"device": args.device, "description": args.description, "model": args.model, "date": args.date,
-           "git_commit": args.commit, "note": args.note, "workloads": workloads}
     target = Path(__file__).resolve().parent / f"{args.device}.json"
+    if args.merge:
+        out = json.loads(target.read_text())
+        out["workloads"].update(workloads)
+        if args.note:
+            out["note"] = (out.get("note", "") + " " + args.note).strip()
+        workloads = out["workloads"]
+    else:
+        out = {"device": args.device, "description": args.description, "model": args.model, "date": args.date,
+               "git_commit": args.commit, "note": args.note, "workloads": workloads}
     target.write_text(json.dumps(out, indent=1) + "\n")
     print(f"written {target}: " + ", ".join(f"{k} ({len(v['steps'])} steps)" for k, v in workloads.items()))
 

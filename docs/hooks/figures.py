@@ -15,6 +15,10 @@ Markers a page may use (each is replaced when the site is built):
     <!-- figure: tokens-per-s -->                                  an SVG plot drawn here with matplotlib
     <!-- fig-table: timeline-continuous -->                        a table traced by make_figures.py
     <!-- fig-value: hash_chain.second_request.hits -->             one value of figures.json inline
+A workload key may also be a base workload with a suffix ("standard-step10", "mixed-step10-qwen3"): the
+numbers of one chapter's own run, kept apart so that each table compares numbers of one run. Such an entry may
+carry its own "model", "date" and "git_commit" (the caption then names them); the all-steps plot draws the base
+workloads only.
 A marker that names data which does not exist fails the build, so no page can quote a number that
 is not in docs/data/. Plots are written into the built site only (site/figures/*.svg), never committed.
 """
@@ -48,8 +52,10 @@ def _load() -> None:
 def _result(device: str, workload: str, step: str) -> dict | None:
     if device not in _bench:
         raise ValueError(f"bench marker: no docs/data/{device}.json")
-    if workload not in WORKLOADS:
-        raise ValueError(f"bench marker: unknown workload {workload!r}; known: {WORKLOADS}")
+    if workload.split("-step", 1)[0] not in WORKLOADS:
+        raise ValueError(f"bench marker: unknown workload {workload!r}; known: {WORKLOADS} (or <workload>-stepNN...)")
+    if workload not in WORKLOADS and workload not in _bench[device]["workloads"]:
+        raise ValueError(f"bench marker: docs/data/{device}.json has no workload {workload!r}")
     wl = _bench[device]["workloads"].get(workload)
     return None if wl is None else wl["steps"].get(step)  # not measured: shown as such
 
@@ -112,7 +118,11 @@ def _caption(device: str, *workloads: str) -> str:
     workloads = [wl for wl in workloads if wl in d["workloads"]]
     for wl in workloads:
         parts.append(f"`{d['workloads'][wl]['command']}`")
-    return (f"<small>{d['description']}, model `{d['model']}`; measured {d['date']} with "
+    # A chapter's own run may name its own model and date; the file's apply otherwise.
+    models = sorted({d["workloads"][wl].get("model", d["model"]) for wl in workloads}) or [d["model"]]
+    dates = sorted({d["workloads"][wl].get("date", d["date"]) for wl in workloads}) or [d["date"]]
+    return (f"<small>{d['description']}, model " + ", ".join(f"`{m}`" for m in models)
+            + f"; measured {' and '.join(dates)} with "
             + "; ".join(parts) + f" (median of {_repeat_text(d, workloads)}). Data: `docs/data/{device}.json`.</small>")
 
 
@@ -292,11 +302,13 @@ def _setup():
 def plot_tokens_per_s() -> str:
     plt = _setup()
     fig, ax = plt.subplots(figsize=(8, 3.8))
-    steps = sorted({s for d in _bench.values() for w in d["workloads"].values() for s in w["steps"]})
+    # The base workloads only: a chapter's own run ("standard-step10") is another run, not a point of this line.
+    base = {device: {wl: w for wl, w in d["workloads"].items() if wl in WORKLOADS} for device, d in _bench.items()}
+    steps = sorted({s for d in base.values() for w in d.values() for s in w["steps"]})
     styles = {"standard": "-", "mixed": "--", "shared-prefix": ":"}
     colors = {"cpu": "tab:blue", "h200": "tab:green"}
-    for device, d in _bench.items():
-        for wl, w in d["workloads"].items():
+    for device, d in base.items():
+        for wl, w in d.items():
             xs = [i for i, s in enumerate(steps) if s in w["steps"]]
             ys = [w["steps"][steps[i]]["tokens_per_s"] for i in xs]
             ax.plot(xs, ys, styles.get(wl, "-"), marker="o", color=colors.get(device), label=f"{DEVICE_LABEL.get(device, device)} {wl}")
