@@ -4,6 +4,9 @@
     python run_all.py --bench    one fixed workload through every step's LLM: tokens/s, time to first
                                  token, peak memory, relative to step01 and to the previous step
 
+    python run_all.py --bench --hf    the same, plus HF transformers `generate` on the same workload, weights,
+                                 device and dtype: its row comes first, and every step gets a "vs HF" ratio
+
 Both take --model/--device/--dtype (passed to every step) and --steps to pick some steps
 (`--steps step03 step09` or `--steps step03,step09`). Each step's progress is printed as it runs.
 """
@@ -69,27 +72,44 @@ def run_scripts(steps: list[str], args) -> int:
     return 1 if failures else 0
 
 
+def bench_one(what: list[str], label: str, args) -> dict | None:
+    """One `python -m shared.bench` process (`--step stepNN` or `--hf`) -> its result, or None if it failed."""
+    cmd = [sys.executable, "-m", "shared.bench", *what, "--workload", args.workload,
+           "--max-tokens", str(args.max_tokens), *passthrough_args(args)]
+    if args.repeat:
+        cmd += ["--repeat", str(args.repeat)]
+    start = time.perf_counter()
+    # stdout carries the result line; stderr (the bench's progress, any error) goes straight to the terminal.
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("BENCH_JSON ")), None)
+    if proc.returncode != 0 or line is None:
+        print(f"    -> {label}: FAILED (exit status {proc.returncode}); its error is printed above", flush=True)
+        return None
+    r = json.loads(line[len("BENCH_JSON "):])
+    print(f"    -> {label}: {r['tokens_per_s']:.1f} tokens/s, TTFT median {r['ttft_median_ms']:.0f} ms, "
+          f"peak {r['peak_memory_mb']:.0f} MiB ({r['peak_memory_kind']}); {time.perf_counter() - start:.1f} s "
+          "with loading and warm-up", flush=True)
+    return r
+
+
 def run_bench(steps: list[str], args) -> int:
-    results = []
-    for i, step in enumerate(steps, 1):
-        print(f"[{i}/{len(steps)}] benchmarking {step} ({args.workload} workload) ...", flush=True)
-        cmd = [sys.executable, "-m", "shared.bench", "--step", step, "--workload", args.workload,
-               "--max-tokens", str(args.max_tokens), *passthrough_args(args)]
-        if args.repeat:
-            cmd += ["--repeat", str(args.repeat)]
-        start = time.perf_counter()
-        # stdout carries the result line; stderr (the bench's progress, any error) goes straight to the terminal.
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("BENCH_JSON ")), None)
-        if proc.returncode != 0 or line is None:
-            print(f"    -> {step}: FAILED (exit status {proc.returncode}); its error is printed above", flush=True)
+    jobs = [(["--step", step], step) for step in steps]
+    if args.hf:  # HF first: the baseline every step is compared with
+        jobs.insert(0, (["--hf"], "HF transformers"))
+    hf, results = None, []
+    for i, (what, label) in enumerate(jobs, 1):
+        print(f"[{i}/{len(jobs)}] benchmarking {label} ({args.workload} workload) ...", flush=True)
+        r = bench_one(what, label, args)
+        if r is None:
             return 1
-        r = json.loads(line[len("BENCH_JSON "):])
-        results.append(r)
-        print(f"    -> {step}: {r['tokens_per_s']:.1f} tokens/s, TTFT median {r['ttft_median_ms']:.0f} ms, "
-              f"peak {r['peak_memory_mb']:.0f} MiB ({r['peak_memory_kind']}); {time.perf_counter() - start:.1f} s "
-              "with loading and warm-up", flush=True)
+        if r["step"] == "hf":
+            hf = r
+        else:
+            results.append(r)
+    if hf:
+        for r in results:
+            r["vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]  # this step's tokens/s over HF's, same workload
     first = results[0]
     shape = {"standard": f"{first['requests']} requests x {args.max_tokens} new tokens",
              "mixed": f"{first['requests']} requests, prompts of 8-192 tokens, 8-{args.max_tokens} new tokens each (seeded)",
@@ -98,20 +118,29 @@ def run_bench(steps: list[str], args) -> int:
     print(f"\nworkload: {args.workload}, {shape}, greedy; "
           f"model {first['model']}, device {first['device']}, dtype {first['dtype']}; "
           f"median of {first['repeat']} run(s)")
+    if hf:
+        print(f"HF transformers: {hf['backend']}; max_new_tokens={hf['max_new_tokens']}, counting only the tokens "
+              f"each request asked for ({hf['generated_tokens']} of {hf['padded_generated_tokens']} generated); "
+              "TTFT = first token of the whole batch")
+    headers = ["step", "tokens/s", f"vs {first['step']}", "vs prev"] + (["vs HF"] if hf else []) + \
+        ["TTFT median ms", f"peak MiB ({first['peak_memory_kind']})"]
     rows, prev = [], None
+    if hf:
+        rows.append([hf["label"], f"{hf['tokens_per_s']:.1f}", "-", "-", "1.00x",
+                     f"{hf['ttft_median_ms']:.0f}", f"{hf['peak_memory_mb']:.0f}"])
     for r in results:
         rows.append([r["step"], f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x",
-                     f"{r['tokens_per_s'] / prev['tokens_per_s']:.2f}x" if prev else "-",
-                     f"{r['ttft_median_ms']:.0f}", f"{r['peak_memory_mb']:.0f}"])
+                     f"{r['tokens_per_s'] / prev['tokens_per_s']:.2f}x" if prev else "-"]
+                    + ([f"{r['vs_hf']:.2f}x"] if hf else [])
+                    + [f"{r['ttft_median_ms']:.0f}", f"{r['peak_memory_mb']:.0f}"])
         prev = r
-    print(format_table(["step", "tokens/s", f"vs {first['step']}", "vs prev", "TTFT median ms",
-                        f"peak MiB ({first['peak_memory_kind']})"], rows))
+    print(format_table(headers, rows))
     if "roofline_tokens_per_s_batch1" in first:
         print(f"roofline for batch-1 decode: {first['roofline_tokens_per_s_batch1']:.0f} tokens/s "
               f"({first['weight_mb']:.0f} MiB of weights read per token at {first['bandwidth_gbs']:.0f} GB/s measured)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        Path(args.json).write_text(json.dumps(([hf] if hf else []) + results, indent=2))
         print(f"results written to {args.json}")
     return 0
 
@@ -134,7 +163,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128, help="benchmark: new tokens per request")
     parser.add_argument("--repeat", type=int, default=None, help="benchmark: runs per step (default: 3 on cuda, 1 on cpu)")
     parser.add_argument("--json", default=None, help="benchmark: also write the results to this JSON file")
+    parser.add_argument("--hf", action="store_true",
+                        help="benchmark: also run the workload through HF transformers generate (one padded batch) "
+                             "and report every step as a ratio to it")
     args = parser.parse_args(argv)
+    if args.hf and not args.bench:
+        parser.error("argument --hf: only with --bench (it adds HF transformers to the benchmark table)")
+    for flag, value in (("--max-tokens", args.max_tokens), ("--repeat", args.repeat)):
+        if value is not None and value < 1:
+            parser.error(f"argument {flag}: must be at least 1, got {value}")
     known = all_steps()
     if args.steps is None:
         args.steps = known

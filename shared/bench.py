@@ -1,6 +1,7 @@
 """The benchmark harness: one fixed workload through one step's LLM, measured the same way for every step.
 
     python -m shared.bench --step step03 [--model M] [--device D] [--dtype T] [--workload standard]
+    python -m shared.bench --hf [...]      the same workload through HF transformers `generate` (the baseline)
 
 prints one JSON line: tokens/s, time to first token (median over requests), peak memory, wall time.
 run_all.py --bench runs this once per step, each in a fresh process, so peak memory is per step.
@@ -8,6 +9,7 @@ run_all.py --bench runs this once per step, each in a fresh process, so peak mem
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -95,6 +97,15 @@ def measure_bandwidth_gbs(device) -> float | None:
     return 2 * src.numel() / statistics.median(times) / 1e9  # read + write
 
 
+def _peak_memory(device) -> tuple[float, str]:
+    """Peak memory in MiB since the last reset: the CUDA allocator's on a GPU, the process's resident set on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20, "cuda allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process RSS"
+
+
 def decode_weight_bytes(model: str, bytes_per_weight: int) -> int:
     """Bytes of weights one decode step must read: every layer, the final norm and the lm_head matrix
     (the embedding is only looked up, one row per token). Counted from the model's config."""
@@ -136,10 +147,7 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
         runs.append((generated / wall, wall, ttft))
         _progress(f"{step}: run {len(runs)}/{repeat}: {generated} tokens in {wall:.1f} s = {generated / wall:.1f} tokens/s")
     tokens_per_s, wall, ttft = sorted(runs)[len(runs) // 2]  # the median run by throughput
-    if llm.device.type == "cuda":
-        peak_mb, peak_kind = torch.cuda.max_memory_allocated() / 2**20, "cuda allocated"
-    else:
-        peak_mb, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process RSS"
+    peak_mb, peak_kind = _peak_memory(llm.device)
     result = dict(
         step=step, model=model, device=str(llm.device), dtype=str(llm.dtype).replace("torch.", ""),
         backend=llm.backend, workload=workload, requests=len(prompts), generated_tokens=generated,
@@ -154,9 +162,151 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
     return result
 
 
+# ---- HF transformers beside the steps (`--hf`) --------------------------------------------------------------
+
+HF_LABEL = "HF transformers"
+
+
+def hf_counted_tokens(new_ids: list[int], sp: SamplingParams, eos_token_ids: set[int]) -> int:
+    """How many of the tokens HF generated for one row count: as many as the steps' `_check_stop` keeps.
+    The row is cut at the request's own max_tokens, and just after its first EOS (unless ignore_eos) or stop
+    token id: the steps count that token too (it is in `token_ids`). HF pads a row that stopped early, and
+    keeps generating for rows that asked for fewer tokens than the longest: none of that counts."""
+    for i, token in enumerate(new_ids[:sp.max_tokens]):
+        if (token in eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return i + 1
+    return min(len(new_ids), sp.max_tokens)
+
+
+def _hf_stop_ids(params: list[SamplingParams], eos_token_ids: set[int]) -> list[int] | None:
+    """The token ids at which HF's one padded batch stops a row, or None (run every row to max_new_tokens).
+    One generate call has one stop rule for all rows, so the workload's must be the same for all requests."""
+    rules = {(sp.ignore_eos, tuple(sorted(sp.stop_token_ids))) for sp in params}
+    if len(rules) > 1:
+        raise ValueError("--hf: HF generate serves one padded batch with one stop rule; this workload mixes "
+                         "ignore_eos / stop_token_ids across requests")
+    if any(sp.temperature != 0 for sp in params) or any(sp.stop for sp in params):
+        raise ValueError("--hf: the HF baseline runs greedy without stop strings; this workload samples or uses stop strings")
+    ignore_eos, stop_token_ids = rules.pop()
+    ids = set(stop_token_ids) | (set() if ignore_eos else eos_token_ids)
+    return sorted(ids) or None
+
+
+def _load_hf_model(model_dir: Path, device, dtype):
+    """AutoModelForCausalLM on the same folder of safetensors the steps load, in the steps' device and dtype."""
+    import re
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    version = tuple(int(n) for n in re.findall(r"\d+", transformers.__version__)[:2])
+    dtype_kwarg = "dtype" if version >= (4, 56) else "torch_dtype"  # `torch_dtype=` was renamed `dtype=` in 4.56
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **{dtype_kwarg: dtype}).to(device).eval()
+    loaded = next(model.parameters()).dtype
+    if loaded != dtype:
+        raise RuntimeError(f"--hf: transformers {transformers.__version__} loaded {loaded}, not {dtype}")
+    return model
+
+
+def run_hf_bench(model: str, device=None, dtype=None, workload: str = "standard", max_tokens: int = 128,
+                 repeat: int | None = None) -> dict:
+    """The same workload through HF transformers `generate`, served as a user would: all requests in one
+    left-padded batch (attention mask; pad token = EOS if the tokenizer has none), greedy, max_new_tokens =
+    the largest max_tokens asked. Timed like run_bench: a warm-up, then `repeat` runs, the median run."""
+    import torch
+    import transformers
+    from transformers.generation.streamers import BaseStreamer
+
+    from shared import Tokenizer, normalize_prompts, normalize_sampling_params, resolve_device_dtype, resolve_model
+
+    class FirstTokenClock(BaseStreamer):
+        """TTFT of the padded batch: generate() puts the prompt ids first ([batch, length]), then each step's
+        new tokens ([batch], already copied to the CPU by generate, so the device is synchronised). The first
+        1-D put is the moment every request has its first token. Measured inside the timed run."""
+
+        def __init__(self):
+            self.first_token_time = None
+
+        def put(self, value):
+            if self.first_token_time is None and value.dim() == 1:
+                self.first_token_time = time.perf_counter()
+
+        def end(self):
+            pass
+
+    device, dtype = resolve_device_dtype(device, dtype)
+    model_dir = resolve_model(model)
+    _progress(f"{HF_LABEL}: loading {model} with AutoModelForCausalLM ({transformers.__version__}) ...")
+    hf_model = _load_hf_model(model_dir, device, dtype)
+    tokenizer = Tokenizer(model_dir)
+    prompts, params = WORKLOADS[workload](tokenizer, max_tokens)
+    prompt_ids = [ids for _, ids in normalize_prompts(prompts, tokenizer, hf_model.config.vocab_size)]
+    params = normalize_sampling_params(params, len(prompt_ids), SamplingParams(temperature=0))
+    stop_ids = _hf_stop_ids(params, tokenizer.eos_token_ids)
+    max_new = max(sp.max_tokens for sp in params)
+    width = max(len(ids) for ids in prompt_ids)
+    context = getattr(hf_model.config, "max_position_embeddings", None)
+    if context is not None and width + max_new > context:
+        raise ValueError(f"--hf: the padded batch ({width} prompt tokens + {max_new} new) exceeds the model's "
+                         f"context of {context} tokens")
+    pad_id = tokenizer.hf.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.hf.eos_token_id if tokenizer.hf.eos_token_id is not None else min(tokenizer.eos_token_ids)
+
+    def generate(batch: list[list[int]], max_new_tokens: int, streamer=None) -> torch.Tensor:
+        """One left-padded batch -> the new tokens [batch, n_new] (n_new < max_new_tokens if all rows stopped)."""
+        longest = max(len(ids) for ids in batch)
+        input_ids = torch.tensor([[pad_id] * (longest - len(ids)) + ids for ids in batch], device=device)
+        attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in batch], device=device)
+        with torch.inference_mode():
+            out = hf_model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, num_beams=1,
+                                    max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=stop_ids,
+                                    streamer=streamer)
+        return out[:, longest:]  # [batch, n_new]  (generate returns prompt + new tokens)
+
+    if repeat is None:
+        repeat = 3 if device.type == "cuda" else 1
+    _progress(f"{HF_LABEL}: warm-up, then {repeat} run(s) of {len(prompt_ids)} requests in one padded batch "
+              f"(max_new_tokens={max_new}) on {device} ...")
+    generate(prompt_ids[:1], 2)  # warm-up, as run_bench
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    runs = []
+    for _ in range(repeat):
+        clock = FirstTokenClock()
+        start = time.perf_counter()  # the requests arrive together, as in the steps
+        new_tokens = generate(prompt_ids, max_new, clock).tolist()  # .tolist() waits for the device
+        counts = [hf_counted_tokens(row, sp, tokenizer.eos_token_ids) for row, sp in zip(new_tokens, params)]
+        tokenizer.hf.batch_decode([row[:n] for row, n in zip(new_tokens, counts)], skip_special_tokens=True)
+        wall = time.perf_counter() - start  # as the steps' generate(), which returns decoded text too
+        if stop_ids is None and len(new_tokens[0]) != max_new:
+            raise RuntimeError(f"--hf: generate stopped after {len(new_tokens[0])} of {max_new} tokens "
+                               "although the workload ignores EOS")
+        generated = sum(counts)
+        ttft = clock.first_token_time - start
+        runs.append((generated / wall, wall, ttft))
+        _progress(f"{HF_LABEL}: run {len(runs)}/{repeat}: {generated} tokens counted "
+                  f"(of {len(new_tokens) * len(new_tokens[0])} generated) in {wall:.1f} s = {generated / wall:.1f} tokens/s")
+    tokens_per_s, wall, ttft = sorted(runs)[len(runs) // 2]  # the median run by throughput
+    peak_mb, peak_kind = _peak_memory(device)
+    attention = getattr(hf_model.config, "_attn_implementation", None) or "default"
+    return dict(
+        step="hf", label=HF_LABEL, model=model, device=str(device), dtype=str(dtype).replace("torch.", ""),
+        backend=f"transformers {transformers.__version__} generate, one left-padded batch, {attention} attention",
+        workload=workload, requests=len(prompt_ids), generated_tokens=generated,
+        padded_generated_tokens=len(new_tokens) * len(new_tokens[0]), max_new_tokens=max_new,
+        repeat=repeat, wall_s=wall, tokens_per_s=tokens_per_s, ttft_median_ms=ttft * 1000,
+        ttft_method="one padded batch: every request gets its first token at once (timed with a streamer)",
+        peak_memory_mb=peak_mb, peak_memory_kind=peak_kind,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--step", required=True)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--step", help="the step to measure, e.g. step03")
+    which.add_argument("--hf", action="store_true", help="measure HF transformers generate on the same workload instead")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
@@ -164,7 +314,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=None, help="runs of the workload (default: 3 on cuda, 1 on cpu)")
     args = parser.parse_args()
-    result = run_bench(args.step, args.model, args.device, args.dtype, args.workload, args.max_tokens, args.repeat)
+    for flag, value in (("--max-tokens", args.max_tokens), ("--repeat", args.repeat)):
+        if value is not None and value < 1:
+            parser.error(f"argument {flag}: must be at least 1, got {value}")
+    bench = run_hf_bench if args.hf else functools.partial(run_bench, args.step)
+    try:
+        result = bench(args.model, args.device, args.dtype, args.workload, args.max_tokens, args.repeat)
+    except ValueError as e:  # bad input (model, device, dtype, a workload HF cannot serve): one line, no traceback
+        parser.error(str(e))
     print("BENCH_JSON " + json.dumps(result))
 
 

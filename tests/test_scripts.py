@@ -1,6 +1,7 @@
 """Every step's run.py and run_all.py run from the repo root, say what they ran on, and refuse bad input
 with one `error:` line (exit status 2, no traceback)."""
 import json
+import re
 import subprocess
 import sys
 
@@ -135,3 +136,86 @@ def test_run_all_bench(tmp_path):
     assert second[0] == STEPS[1]
     ratio = results[1]["tokens_per_s"] / results[0]["tokens_per_s"]
     assert second[2] == second[3] == f"{ratio:.2f}x"  # vs the first step, and vs the previous (the same here)
+
+
+# ---- run_all.py --bench --hf: HF transformers generate beside the steps ----------------------------------------
+
+@pytest.mark.slow
+def test_run_all_bench_hf(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run("run_all.py", "--bench", "--hf", "--steps", "step03,step04", "--model", "random:tiny-llama",
+               "--max-tokens", "8", "--json", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    hf, *steps = json.loads(out.read_text())
+    assert hf["step"] == "hf" and hf["label"] == "HF transformers" and [r["step"] for r in steps] == ["step03", "step04"]
+    for key in ("model", "device", "dtype", "workload", "requests", "repeat"):  # the same workload, device and dtype
+        assert {r[key] for r in steps} == {hf[key]}, key
+    assert (hf["device"], hf["dtype"]) == ("cpu", "float32")
+    # The standard workload ignores EOS: every request runs to its max_tokens, in HF (cut at max_tokens) as in
+    # the steps, so the counted tokens are the same.
+    assert hf["generated_tokens"] == hf["requests"] * 8 == steps[0]["generated_tokens"] == steps[1]["generated_tokens"]
+    for r in steps:
+        assert r["vs_hf"] == r["tokens_per_s"] / hf["tokens_per_s"]
+    # The table: HF's row first, then the steps, each with "vs HF" = its tokens/s over HF's.
+    lines = proc.stdout[proc.stdout.rindex("step  "):].splitlines()
+    header = lines[0]
+    columns = [m.start() for m in re.finditer(r"-+", lines[1])]  # where each column starts, from the dashes
+    cells = [[line[a:b].strip() for a, b in zip(columns, columns[1:] + [None])] for line in [header] + lines[2:5]]
+    vs_hf = cells[0].index("vs HF")
+    assert cells[1][:2] == ["HF transformers", f"{hf['tokens_per_s']:.1f}"] and cells[1][vs_hf] == "1.00x"
+    for row, r in zip(cells[2:], steps):
+        assert row[:2] == [r["step"], f"{r['tokens_per_s']:.1f}"]
+        assert row[vs_hf] == f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x"
+
+
+def test_hf_counted_tokens_match_what_the_steps_count():
+    from shared import SamplingParams
+    from shared.bench import hf_counted_tokens
+
+    eos = {2}
+    row = [5, 6, 2, 7, 2, 2]  # HF's new tokens for one row (after a stop, HF pads with the pad token = EOS)
+    assert hf_counted_tokens(row, SamplingParams(max_tokens=6, ignore_eos=True), eos) == 6
+    assert hf_counted_tokens(row, SamplingParams(max_tokens=4, ignore_eos=True), eos) == 4  # its own max_tokens
+    assert hf_counted_tokens(row, SamplingParams(max_tokens=6), eos) == 3  # the EOS counts, as in token_ids
+    assert hf_counted_tokens(row, SamplingParams(max_tokens=2), eos) == 2
+    assert hf_counted_tokens(row, SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=[6]), eos) == 2
+    assert hf_counted_tokens(row[:3], SamplingParams(max_tokens=6, ignore_eos=True), eos) == 3  # HF stopped early
+
+
+def test_hf_refuses_a_workload_it_cannot_serve_as_one_batch():
+    from shared import SamplingParams
+    from shared.bench import _hf_stop_ids
+
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    assert _hf_stop_ids([greedy, greedy], {2}) == [2]
+    assert _hf_stop_ids([SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)], {2}) is None
+    for params in ([greedy, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)],
+                   [SamplingParams(temperature=0.7, max_tokens=4)], [SamplingParams(temperature=0, stop=["."])]):
+        with pytest.raises(ValueError, match="--hf: "):
+            _hf_stop_ids(params, {2})
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--hf"], "argument --hf: only with --bench"),
+    (["--bench", "--hf", "--repeat", "0"], "argument --repeat: must be at least 1, got 0"),
+    (["--bench", "--max-tokens", "0"], "argument --max-tokens: must be at least 1, got 0"),
+])
+def test_run_all_bad_bench_flags(argv, expected, capsys):
+    import run_all
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_all.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"run_all.py: error: {expected}"), err
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--hf", "--step", "step03"], "error: argument --step: not allowed with argument --hf"),
+    ([], "one of the arguments --step --hf is required"),
+    (["--hf", "--model", "nope"], "unknown model 'nope'"),
+])
+def test_bench_hf_bad_input_is_one_error_line(args, expected):
+    proc = run("-m", "shared.bench", *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert expected in proc.stderr.splitlines()[-1]
