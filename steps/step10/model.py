@@ -171,13 +171,14 @@ class CausalLM:
 def fuse_projections(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """HF checkpoints store q, k, v and gate, up as separate matrices. Stack them once, at load time:
     [q; k; v] -> qkv_proj, [gate; up] -> gate_up_proj. x @ W.T of a stacked W is the three (two) products
-    side by side, so one matmul replaces three (two): fewer kernel launches, one larger matmul."""
-    fused = dict(weights)
+    side by side, so one matmul replaces three (two): fewer kernel launches, one larger matmul.
+    In place, layer by layer: each layer's separate matrices are freed as soon as its stacked ones exist."""
     for layer in range(config.num_layers):
         a, m = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
-        fused[a + "qkv_proj.weight"] = torch.cat([fused.pop(a + n + "_proj.weight") for n in "qkv"])
-        fused[m + "gate_up_proj.weight"] = torch.cat([fused.pop(m + "gate_proj.weight"), fused.pop(m + "up_proj.weight")])
-    return fused
+        weights[a + "qkv_proj.weight"] = torch.cat([weights.pop(a + n + "_proj.weight") for n in "qkv"])
+        weights[m + "gate_up_proj.weight"] = torch.cat([weights.pop(m + "gate_proj.weight"),
+                                                        weights.pop(m + "up_proj.weight")])
+    return weights
 
 
 def write_kv_to_blocks(pool_layer: torch.Tensor, block_table: list[int], start: int, new: torch.Tensor) -> None:
