@@ -169,3 +169,86 @@ def test_gpu_pool_fits_in_its_share(step):
     # The warm-up forward's peak is an estimate of the real steps' peak, not a bound: measured on the H200, a
     # real 512-token step went 26 MB (0.03% of the share) past it. Allowed: 1% of the share.
     assert peak <= m["total_bytes"] * 0.5 * 1.01
+
+
+# ---- step12: one sampler call per step, incremental detokenizer ----------------------------------
+
+BATCHED = STEPS[STEPS.index("step12"):] if "step12" in STEPS else []
+MULTILINGUAL = ["Paris est la capitale de la France — déjà vu.", "分页注意力把缓存切成块。", "Emoji: 🧠📦🚀👩‍👩‍👧",
+                "Mixed: naïve café 東京 🍣 and ümlaut, then ASCII again."]
+
+
+@pytest.mark.parametrize("step", BATCHED)
+def test_incremental_text_equals_full_decode(step):
+    import importlib
+
+    detokenizer = importlib.import_module(f"steps.{step}.detokenizer")
+    from shared import Tokenizer
+
+    tok = Tokenizer(resolve_model("smollm2-135m"))
+    held_back = 0  # characters split over several byte tokens: the case the detokenizer must wait on
+    for text in MULTILINGUAL:
+        ids = tok.encode(text)
+        held_back += sum(tok.decode(ids[:n]).endswith("\ufffd") for n in range(1, len(ids) + 1))
+        d = detokenizer.IncrementalDetokenizer(tok)
+        for n, t in enumerate(ids, 1):
+            d.add(t)
+            full = tok.decode(ids[:n])
+            assert full.startswith(d.text), (text, n)  # never emits what the full decode would not show
+            if not full.endswith("\ufffd"):
+                assert d.text == full, (text, n)  # and holds back only an incomplete character
+        assert d.text == tok.decode(ids) == text
+    assert held_back >= 5, "the texts must split characters over tokens (Chinese, emoji)"
+
+
+@pytest.mark.parametrize("step", BATCHED)
+def test_stop_strings_cut_where_the_previous_step_cuts(step):
+    prev = STEPS[STEPS.index(step) - 1]
+    free = load_engine(prev).LLM("random:tiny-llama", device="cpu").generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+    stops = [free[i:i + n] for i, n in ((3, 1), (10, 4), (25, 7), (len(free) // 2, 3), (len(free) - 6, 6))
+             if free[i:i + n].strip()]
+    assert len(stops) >= 3
+    for stop in stops + [stops[:2], stops[::-1]]:
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=stop)
+        outs = [load_engine(s).LLM("random:tiny-llama", device="cpu").generate([[5, 6, 7]], sp)[0].outputs[0]
+                for s in (prev, step)]
+        assert (outs[1].text, outs[1].stop_reason, outs[1].token_ids) == (outs[0].text, outs[0].stop_reason,
+                                                                          outs[0].token_ids), stop
+
+
+@pytest.mark.parametrize("step", BATCHED)
+def test_seeded_request_is_the_same_alone_or_in_any_batch(step):
+    llm = load_engine(step).LLM("random:tiny-llama", device="cpu")
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([[1, 2, 3]], seeded)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=t, top_k=k, seed=None, max_tokens=n, ignore_eos=True)
+              for t, k, n in ((0.5, 10, 5), (1.3, 0, 20), (0.0, 0, 9))]
+    for position in range(4):
+        batch = others[:position] + [seeded] + others[position:]
+        prompts = [[9, 9], [4] * 30, [1, 2, 3, 4, 5]][:position] + [[1, 2, 3]] + [[9, 9], [4] * 30, [1, 2, 3, 4, 5]][position:]
+        outs = llm.generate(prompts, batch)
+        assert outs[position].outputs[0].token_ids == alone, f"seeded request at position {position}"
+
+
+@pytest.mark.parametrize("step", BATCHED)
+def test_batched_draws_follow_each_rows_distribution(step):
+    """A chi-square test per row, 4000 draws over 5 tokens (4 degrees of freedom). The critical value 23.51
+    has a false-alarm rate of 1e-4 per row for a correct sampler; the seeds are fixed, so the test is
+    deterministic. Rows differ in temperature, so a batched sampler mixing rows up would fail."""
+    import importlib
+
+    s = importlib.import_module(f"steps.{step}.sampler")
+    base = torch.log(torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05]))
+    temperatures = [1.0, 0.5, 2.0]
+    params = [SamplingParams(temperature=t, seed=100 + i) for i, t in enumerate(temperatures)]
+    generators = [s.make_generator(sp, torch.device("cpu")) for sp in params]
+    logits = base.repeat(len(params), 1)
+    counts = torch.zeros(len(params), 5)
+    for _ in range(4000):
+        for row, token in enumerate(s.sample_batch(logits, params, generators)):
+            counts[row, token] += 1
+    for row, t in enumerate(temperatures):
+        expected = torch.softmax(base / t, dim=-1) * 4000
+        chi2 = float(((counts[row] - expected) ** 2 / expected).sum())
+        assert chi2 < 23.51, f"temperature {t}: chi-square {chi2:.1f} (counts {counts[row].tolist()})"
