@@ -252,3 +252,52 @@ def test_batched_draws_follow_each_rows_distribution(step):
         expected = torch.softmax(base / t, dim=-1) * 4000
         chi2 = float(((counts[row] - expected) ** 2 / expected).sum())
         assert chi2 < 23.51, f"temperature {t}: chi-square {chi2:.1f} (counts {counts[row].tolist()})"
+
+
+# ---- step13: where the time goes -------------------------------------------------------------------
+
+MEASURED = STEPS[STEPS.index("step13"):] if "step13" in STEPS else []
+
+
+@pytest.mark.parametrize("step", MEASURED)
+def test_phase_timers_add_up_to_the_wall_time(step):
+    """The phases cover each step() call: their sum is at most the calls' wall time and at least 95% of it
+    (what is left: the step() wrapper, a list comprehension, the time lookups themselves)."""
+    import time
+
+    llm = load_engine(step).LLM("random:tiny-llama", device="cpu", max_num_batched_tokens=16)
+    for i, n in enumerate((5, 40, 12, 3)):
+        llm.add_request([7 + i] * n, SamplingParams(temperature=0.8 if i % 2 else 0, max_tokens=10, ignore_eos=True,
+                                                    stop=["xyz"], seed=i))
+    llm.timers.reset()
+    wall, calls = 0.0, 0
+    while llm.has_unfinished_requests():
+        start = time.perf_counter()
+        llm.step()
+        wall += time.perf_counter() - start
+        calls += 1
+    phases = llm.timers.seconds
+    assert set(phases) == {"schedule", "prepare inputs", "forward", "sample", "detokenize"}
+    assert all(seconds > 0 for seconds in phases.values()), phases
+    assert llm.timers.steps == calls
+    timed = sum(phases.values())
+    print(f"{step}: phases {timed * 1000:.1f} ms of {wall * 1000:.1f} ms wall ({100 * timed / wall:.1f}%)")
+    assert 0.95 * wall <= timed <= wall
+
+
+@pytest.mark.parametrize("step", MEASURED)
+def test_profile_writes_a_chrome_trace_with_the_phases(step, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    trace = tmp_path / "trace.json"
+    proc = subprocess.run([sys.executable, f"steps/{step}/run.py", "--model", "random:tiny-llama", "--max-tokens", "4",
+                           "--requests", "2", "--lesson-tokens", "4", "--profile", str(trace)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"schedule", "prepare inputs", "forward", "sample", "detokenize"} <= names
+    assert "phases cover" in proc.stdout and "trace written" in proc.stdout

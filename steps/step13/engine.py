@@ -1,0 +1,324 @@
+"""step13: measure. Each engine step is timed phase by phase: schedule, prepare inputs, forward, sample, detokenize."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, Tokenizer,
+                    check_conversations, check_length, normalize_prompts, normalize_sampling_params,
+                    resolve_device_dtype, resolve_model)
+
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .model import CausalLM, KVPool
+from .sampler import make_generator, sample_batch
+from .scheduler import RequestStatus, Scheduler
+from .timers import PhaseTimers
+
+
+class Finish(NamedTuple):
+    """Why and where a request ended."""
+
+    reason: str  # "stop" (EOS, a stop token or a stop string) or "length" (max_tokens reached)
+    stop_reason: int | str | None  # the stop token id or stop string that ended it; None for EOS and length
+    text: str  # the output text, cut just before a stop string
+
+
+CPU_DEFAULT_KV_TOKENS = 32768  # on the CPU, max_kv_tokens sizes the pool (default 32768 tokens)
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """K and V of one token in every layer: 2 x layers x kv_heads x head_dim x bytes per element."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+
+
+def kv_pool_blocks(total_bytes: int, gpu_memory_utilization: float, used_bytes: int, bytes_per_block: int) -> int:
+    """The KV pool's size in blocks: the share of the device we may use, minus what the weights and the peak of
+    a warm-up forward took, in whole blocks (vLLM's gpu_memory_utilization, same meaning)."""
+    return max(int(total_bytes * gpu_memory_utilization) - used_bytes, 0) // bytes_per_block
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: int, n: int) -> dict[int, float]:
+    """The n most likely tokens and the chosen one: {token_id: logprob}."""
+    values, ids = torch.topk(logprobs, n) if n > 0 else (logprobs[:0], logprobs[:0].long())
+    result = {int(i): float(v) for i, v in zip(ids, values)}
+    result[chosen] = float(logprobs[chosen])
+    return result
+
+
+@dataclass
+class Request:
+    """One request's state from arrival to finish."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    metrics: RequestMetrics
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    finish: Finish | None = None  # set once the request has finished
+    status: RequestStatus = RequestStatus.WAITING  # set by the scheduler (see RequestStatus)
+    detokenizer: IncrementalDetokenizer | None = None  # the output text so far, grown token by token
+    block_table: list[int] = field(default_factory=list)  # the pool blocks holding this request's K/V, in order
+    num_computed_tokens: int = 0  # tokens (prompt, then generated) whose K/V are in the pool
+    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block of block_table
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(0, self.finish.text, self.output_ids, self.cumulative_logprob, self.logprobs,
+                                      self.finish.reason, self.finish.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), [completion], True, self.metrics)
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, device=None, dtype=None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512, max_kv_tokens: int | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9):
+        if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        if not isinstance(max_num_batched_tokens, int) or isinstance(max_num_batched_tokens, bool) \
+                or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
+        if not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool) \
+                or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}")
+        self.device, self.dtype = resolve_device_dtype(device, dtype)
+        if max_kv_tokens is None and self.device.type == "cpu":
+            max_kv_tokens = CPU_DEFAULT_KV_TOKENS  # the CPU knob; on CUDA, None = size the pool from free memory
+        if max_kv_tokens is not None and (not isinstance(max_kv_tokens, int) or isinstance(max_kv_tokens, bool)
+                                          or max_kv_tokens < 1):
+            raise ValueError(f"max_kv_tokens must be None or an integer >= 1, got {max_kv_tokens!r}")
+        largest_block = max_kv_tokens or 2**20  # on CUDA the pool is sized later, in blocks of block_size
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= largest_block:
+            raise ValueError(f"block_size must be an integer in [1, max_kv_tokens={max_kv_tokens}], got {block_size!r}")
+        self.model_name = str(model)
+        model_dir = resolve_model(model)
+        self.tokenizer = Tokenizer(model_dir)
+        self.model = CausalLM.from_pretrained(model_dir, self.device, self.dtype)
+        self.max_model_len = self.model.config.max_position_embeddings
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        self.memory = self._size_kv_pool(max_kv_tokens, block_size, min(max_num_batched_tokens, self.max_model_len),
+                                         gpu_memory_utilization)
+        num_blocks = self.memory["num_blocks"]
+        self.backend = (f"plain PyTorch, {self.model.config.model_type} (fused qkv / gate-up), continuous batching + "
+                        f"chunked prefill + preemption, paged KV ({num_blocks} blocks of {block_size}, sized by "
+                        f"{self.memory['sized_by']}), prefix caching {'on' if enable_prefix_caching else 'off'}")
+        self.pool = KVPool(self.model.config, num_blocks, block_size, self.device, self.dtype)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.block_manager)
+        self.next_request_id = 0
+        self.finished_outputs: list[RequestOutput] = []  # finished, not handed out yet (see generate)
+        self.stats = {"prefill_chunks": 0, "decode_steps": 0, "decode_rows": 0}  # rows: requests decoded, summed
+        self.timers = PhaseTimers(self.device)  # where each step's time goes (timers.py)
+
+    def _size_kv_pool(self, max_kv_tokens: int | None, block_size: int, warmup_tokens: int,
+                      gpu_memory_utilization: float) -> dict:
+        """How many KV blocks the pool gets. Given max_kv_tokens (the CPU default, or a choice): that many tokens.
+        Else (CUDA): profile one forward of the largest step (warmup_tokens prompt tokens), then give the pool
+        what is left of gpu_memory_utilization x the device's memory after the weights and that forward's peak."""
+        per_token = kv_bytes_per_token(self.model.config, self.dtype)
+        memory = {"bytes_per_token": per_token, "block_size": block_size}
+        if max_kv_tokens is not None:
+            return {**memory, "num_blocks": max_kv_tokens // block_size, "sized_by": "max_kv_tokens"}
+        used = self._profile_peak_bytes(warmup_tokens, block_size)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        num_blocks = kv_pool_blocks(total, gpu_memory_utilization, used, per_token * block_size)
+        if num_blocks * block_size < warmup_tokens:
+            share = total * gpu_memory_utilization / 2**30
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: {share:.2f} GiB of the device's "
+                             f"{total / 2**30:.2f} GiB, minus {used / 2**30:.2f} GiB for weights and a warm-up "
+                             f"forward, leaves room for {num_blocks * block_size} KV tokens, fewer than one step's "
+                             f"{warmup_tokens}; raise gpu_memory_utilization or lower max_num_batched_tokens")
+        return {**memory, "num_blocks": num_blocks, "sized_by": f"gpu_memory_utilization={gpu_memory_utilization}",
+                "total_bytes": total, "used_bytes": used, "utilization": gpu_memory_utilization}
+
+    def _profile_peak_bytes(self, num_tokens: int, block_size: int) -> int:
+        """Run one forward of num_tokens prompt tokens through a scratch pool; return the peak bytes allocated
+        (weights + the largest activations), without the scratch pool itself (the real pool replaces it)."""
+        num_blocks = -(-num_tokens // block_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = KVPool(self.model.config, num_blocks, block_size, self.device, self.dtype)
+        input_ids = torch.zeros(1, num_tokens, dtype=torch.long, device=self.device)  # [1, num_tokens]
+        self.model.forward(input_ids, [0], [list(range(num_blocks))], scratch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch
+        torch.cuda.empty_cache()
+        return peak - num_blocks * block_size * kv_bytes_per_token(self.model.config, self.dtype)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompts = normalize_prompts(prompts, self.tokenizer, self.model.config.vocab_size)
+        params = normalize_sampling_params(sampling_params, len(prompts), SamplingParams(temperature=0))
+        for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
+            check_length(i, len(ids), sp, self.max_model_len)
+            self._check_fits_kv_budget(i, len(ids), sp)
+        # Everything is checked above, before anything is queued.
+        request_ids = [self._add(text, ids, sp) for (text, ids), sp in zip(prompts, params)]
+        mine: dict[str, RequestOutput | None] = dict.fromkeys(request_ids)
+        try:
+            while None in mine.values():  # until all of ours have finished
+                if not self.has_unfinished_requests():
+                    raise RuntimeError("generate(): the scheduler lost a request")  # a bug, never a silent hang
+                for out in self._step():
+                    if out.request_id in mine:
+                        mine[out.request_id] = out
+                    else:  # a request queued with add_request(): a later step() hands it out
+                        self.finished_outputs.append(out)
+        except BaseException:  # the caller gets the error, not our outputs: drop what is left of ours
+            for request_id, out in mine.items():
+                if out is None:
+                    self.abort_request(request_id)
+            raise
+        return list(mine.values())
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> str:
+        """Queue one request (a string or token ids); it joins the running batch at a coming step()."""
+        (text, ids), = normalize_prompts([prompt], self.tokenizer, self.model.config.vocab_size)
+        sp = normalize_sampling_params(sampling_params, 1, SamplingParams(temperature=0))[0]
+        check_length(0, len(ids), sp, self.max_model_len)
+        self._check_fits_kv_budget(0, len(ids), sp)
+        return self._add(text, ids, sp)
+
+    def _check_fits_kv_budget(self, index: int, prompt_len: int, sp: SamplingParams) -> None:
+        """A request that could never fit in the KV pool, even alone, is refused now instead of waiting forever."""
+        bm = self.block_manager
+        if bm.blocks_for(prompt_len + sp.max_tokens) > bm.num_blocks:
+            raise ValueError(f"prompts[{index}]: prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) = "
+                             f"{prompt_len + sp.max_tokens} exceeds max_kv_tokens ({bm.num_blocks * bm.block_size} "
+                             f"= {bm.num_blocks} blocks of {bm.block_size}): it could never fit in the KV pool")
+
+    def _add(self, text: str | None, ids: list[int], sp: SamplingParams) -> str:
+        request_id = str(self.next_request_id)
+        self.next_request_id += 1
+        self.scheduler.add(Request(request_id, text, ids, sp, make_generator(sp, self.device),
+                                   RequestMetrics(time.perf_counter()), logprobs=[] if sp.logprobs is not None else None,
+                                   detokenizer=IncrementalDetokenizer(self.tokenizer)))
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a waiting or running request: it leaves the queues, releases its KV memory and is never returned."""
+        for r in [*self.scheduler.waiting, *self.scheduler.running]:
+            if r.request_id == request_id:
+                self.scheduler.finish(r)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: decode one token for every decoding request, then prefill the scheduled prompt
+        chunks, all within the token budget. Returns the requests that finished in this iteration,
+        and any that finished earlier without being handed out (while another caller's generate() ran).
+        An idle engine returns []."""
+        handed_out, self.finished_outputs = self.finished_outputs, []
+        return handed_out + self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        timer = self.timers.phase
+        with timer("schedule"):
+            decodes, chunks = self.scheduler.schedule()
+        scheduled = decodes + [r for r, _ in chunks]
+        if not scheduled:  # idle: nothing waits or runs
+            return []
+        self.timers.steps += 1
+        try:
+            sample_from = []  # (request, its logits [vocab]) for every request that gets a token in this step
+            if decodes:  # decodes first: a long prompt arriving does not stall the running requests
+                self.stats["decode_steps"] += 1
+                self.stats["decode_rows"] += len(decodes)
+                with timer("prepare inputs"):
+                    input_ids = torch.tensor([[r.token_ids[-1]] for r in decodes], device=self.device)  # [B, 1]
+                with timer("forward"):
+                    logits = self.model.forward(input_ids, [r.num_computed_tokens for r in decodes],
+                                                [r.block_table for r in decodes], self.pool)
+                with timer("schedule"):
+                    for r, row_logits in zip(decodes, logits):
+                        r.num_computed_tokens += 1
+                        self.block_manager.cache_full_blocks(r)
+                        sample_from.append((r, row_logits))
+            for r, n in chunks:  # prompts differ in length: one forward per chunk
+                self.stats["prefill_chunks"] += 1
+                start = r.num_computed_tokens
+                with timer("prepare inputs"):
+                    chunk = torch.tensor([r.token_ids[start:start + n]], device=self.device)  # [1, n]
+                with timer("forward"):
+                    logits = self.model.forward(chunk, [start], [r.block_table], self.pool)
+                with timer("schedule"):
+                    r.num_computed_tokens += n
+                    self.block_manager.cache_full_blocks(r)  # its full blocks can now be shared
+                if r.num_computed_tokens == r.num_tokens:  # the prompt's last chunk: its logits give the first token
+                    sample_from.append((r, logits[0]))
+            if sample_from:  # one sampler call for the whole batch
+                self._append_tokens([r for r, _ in sample_from], torch.stack([row for _, row in sample_from]))
+        except BaseException:  # a failure mid-step leaves these requests half-updated: drop them, then re-raise
+            for r in scheduled:
+                self.abort_request(r.request_id)
+            raise
+        with timer("schedule"):
+            finished = [r for r in scheduled if r.finish is not None]
+            for r in finished:
+                self.scheduler.finish(r)  # its blocks go back to the free list
+        with timer("detokenize"):
+            return [r.to_output() for r in finished]
+
+    def chat(self, conversations, sampling_params=None) -> list[RequestOutput]:
+        prompts = [self.tokenizer.apply_chat_template(c) for c in check_conversations(conversations)]
+        return self.generate(prompts, sampling_params)
+
+    def _check_stop(self, r: Request) -> Finish | None:
+        """-> a Finish once the request must end, else None. Text grows through the request's detokenizer, and
+        stop strings are looked for only where new text could complete one: O(1) per token, not O(n)."""
+        sp, last = r.params, r.output_ids[-1]
+        if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
+            return Finish("stop", None, self.tokenizer.decode(r.output_ids[:-1]))  # one full decode, at the end
+        if last in sp.stop_token_ids:
+            return Finish("stop", last, self.tokenizer.decode(r.output_ids[:-1]))
+        new = r.detokenizer.add(last)
+        if new and sp.stop:
+            text = r.detokenizer.text
+            # A stop string that ends in the new text starts at most len(stop) - 1 characters before it.
+            window_start = max(0, len(text) - len(new) - max(len(s) for s in sp.stop) + 1)
+            window = text[window_start:]
+            hits = [(window.find(s), s) for s in sp.stop if s in window]
+            if hits:
+                cut, stop = min(hits)  # the earliest stop string; the text ends just before it
+                return Finish("stop", stop, text[:window_start + cut])
+        if len(r.output_ids) >= sp.max_tokens:
+            return Finish("length", None, self.tokenizer.decode(r.output_ids))
+        return None
+
+    def _append_tokens(self, requests: list[Request], logits: torch.Tensor) -> None:
+        """Sample one token for each request from its row of logits [B, vocab] in one sampler call, record
+        them, check which requests must stop."""
+        with self.timers.phase("sample"):
+            token_logprobs = torch.log_softmax(logits, dim=-1)  # [B, vocab]
+            next_ids = sample_batch(logits, [r.params for r in requests], [r.generator for r in requests])
+            chosen = token_logprobs[torch.arange(len(requests)), torch.tensor(next_ids, device=logits.device)].tolist()
+            now = time.perf_counter()
+            for r, row, next_id, logprob in zip(requests, token_logprobs, next_ids, chosen):
+                r.cumulative_logprob += logprob
+                if r.logprobs is not None:
+                    r.logprobs.append(top_logprobs(row, next_id, r.params.logprobs))
+                r.output_ids.append(next_id)
+                r.metrics.token_times.append(now)
+                r.metrics.first_token_time = r.metrics.first_token_time or now
+        with self.timers.phase("detokenize"):
+            for r in requests:
+                r.finish = self._check_stop(r)
+                if r.finish is not None:
+                    r.metrics.finished_time = now
