@@ -112,6 +112,7 @@ def run_bench(steps: list[str], args) -> int:
             r["vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]  # this step's tokens/s over HF's, same workload
     first = results[0]
     shape = {"standard": f"{first['requests']} requests x {args.max_tokens} new tokens",
+             "single": f"1 request (batch 1) x {args.max_tokens} new tokens",
              "mixed": f"{first['requests']} requests, prompts of 8-192 tokens, 8-{args.max_tokens} new tokens each (seeded)",
              "shared-prefix": f"{first['requests']} requests sharing a ~410-token system prompt, 32 new tokens each",
              }[args.workload]
@@ -155,8 +156,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--workload", default="standard", choices=["standard", "mixed", "shared-prefix"],
-                        help="benchmark workload: standard (4 chat questions), mixed (64 requests of mixed lengths) "
+    parser.add_argument("--workload", default="standard", choices=["standard", "single", "mixed", "shared-prefix"],
+                        help="benchmark workload: standard (4 chat questions), single (the first of them alone: batch 1), "
+                             "mixed (64 requests of mixed lengths) "
                              "or shared-prefix (32 requests sharing a long system prompt)")
     parser.add_argument("--lesson-tokens", type=int, default=None,
                         help="demos: passed to every run.py (new tokens per request in each lesson's figure)")

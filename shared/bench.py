@@ -63,7 +63,14 @@ def shared_prefix_workload(tokenizer, max_tokens: int = 128, num_requests: int =
     return prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-WORKLOADS = {"standard": standard_workload, "mixed": mixed_workload, "shared-prefix": shared_prefix_workload}
+def single_workload(tokenizer, max_tokens: int = 128):
+    """The standard workload's first chat prompt alone: batch 1, where per-token overheads show most."""
+    prompts, params = standard_workload(tokenizer, max_tokens)
+    return prompts[:1], params
+
+
+WORKLOADS = {"standard": standard_workload, "single": single_workload, "mixed": mixed_workload,
+             "shared-prefix": shared_prefix_workload}
 
 
 def _progress(msg: str) -> None:

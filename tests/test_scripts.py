@@ -219,3 +219,13 @@ def test_bench_hf_bad_input_is_one_error_line(args, expected):
     proc = run("-m", "shared.bench", *args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert expected in proc.stderr.splitlines()[-1]
+
+
+def test_single_workload_is_batch_one():
+    from shared import Tokenizer, resolve_model
+    from shared.bench import WORKLOADS
+
+    tok = Tokenizer(resolve_model("random:tiny-llama"))
+    single, params = WORKLOADS["single"](tok, 16)
+    standard, standard_params = WORKLOADS["standard"](tok, 16)
+    assert single == standard[:1] and params == standard_params
