@@ -21,9 +21,20 @@ TEXT_PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    "]
 EQUIV_MAX_TOKENS = 32
 
 
+# `make test-fast` (pytest -m "not slow") tests every step-independent thing and the newest steps fully;
+# `make test` tests every step. A test that takes a step is marked slow unless its step is one of these, so
+# the quick run stays the same size however many steps there are.
+FAST_STEPS = 2
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    newest = set(STEPS[-FAST_STEPS:])
+    for item in items:
+        step = getattr(item, "callspec", None) and item.callspec.params.get("step")
+        if step is not None and step not in newest:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")
