@@ -5,7 +5,6 @@ generate() runs meanwhile; a request has a status; a failure in the middle of a 
 failed requests held and leaves the engine ready for the next request.
 """
 import pytest
-import torch
 
 from conftest import STEPS
 from shared import SamplingParams
@@ -38,6 +37,24 @@ def assert_clean(llm):
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "blocks leaked"
 
 
+class InjectedFailure(RuntimeError):
+    pass
+
+
+def fail_forward_at(llm, fail_at: int, monkeypatch):
+    """Make the model's forward call number fail_at raise. -> (the real forward, {"n": calls so far})."""
+    forward, calls = llm.model.forward, {"n": 0}
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise InjectedFailure(f"forward call {fail_at}")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm.model, "forward", failing_forward)
+    return forward, calls
+
+
 @pytest.mark.parametrize("step", SCHEDULED)
 def test_idle_step_returns_nothing(step):
     llm = engine(step)
@@ -66,15 +83,7 @@ def test_a_failed_step_drops_its_requests(step, fail_at, monkeypatch):
     """Driving step() directly: the requests of a step that fails (forward call `fail_at`; with three prompts
     to prefill, call 2 falls in the middle of a step from step06 on) leave the queues and free their memory."""
     llm = engine(step)
-    forward, calls = llm.model.forward, {"n": 0}
-
-    def failing_forward(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == fail_at:
-            raise InjectedFailure(f"forward call {fail_at}")
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(llm.model, "forward", failing_forward)
+    forward, calls = fail_forward_at(llm, fail_at, monkeypatch)
     ids = [llm.add_request(p, greedy(n)) for p, n in zip(PROMPTS[:3], (12, 12, 12))]
     finished = []
     with pytest.raises(InjectedFailure):
@@ -127,25 +136,12 @@ def test_nan_temperature_is_refused_before_anything_is_queued(step):
     assert_same([out[0].outputs[0]], reference([greedy(n) for n in MAX_TOKENS])[:1], step)
 
 
-class InjectedFailure(RuntimeError):
-    pass
-
-
 @pytest.mark.parametrize("step", SCHEDULED)
 @pytest.mark.parametrize("fail_at", [1, 4])
 def test_a_failure_mid_way_leaves_nothing_behind(step, fail_at, monkeypatch):
     llm = engine(step, max_num_seqs=3)
     bystander = llm.add_request(PROMPTS[7], greedy(MAX_TOKENS[7]))  # queued by someone else, before the failure
-    calls = {"n": 0}
-    forward = llm.model.forward
-
-    def failing_forward(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == fail_at:
-            raise InjectedFailure(f"forward call {fail_at}")
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(llm.model, "forward", failing_forward)
+    forward, calls = fail_forward_at(llm, fail_at, monkeypatch)
     with pytest.raises(InjectedFailure):
         llm.generate(PROMPTS[:5], [greedy(n) for n in MAX_TOKENS[:5]])
     assert calls["n"] == fail_at
@@ -180,4 +176,3 @@ def test_a_failing_sampler_releases_the_batch(step, monkeypatch):
     assert_clean(llm)
     monkeypatch.undo()
     assert len(llm.generate([PROMPTS[0]], greedy(2))[0].outputs[0].token_ids) == 2
-    assert torch.is_tensor(llm.model.embed_tokens.weight) if hasattr(llm.model, "embed_tokens") else True

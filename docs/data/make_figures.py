@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from shared import SamplingParams  # noqa: E402
 from shared.cli import per_token_ms  # noqa: E402
 from shared.prompts import QUESTIONS  # noqa: E402
+from steps.step08.run import contiguous_reservation  # noqa: E402  (the rule step08's figure uses)
 
 OUT = Path(__file__).resolve().parent / "figures.json"
 
@@ -106,17 +107,6 @@ def timeline(model, device, seats=4):
     return {"seats": seats, "requests": dict(requests), "static": static, "continuous": continuous}
 
 
-def _contiguous_reservation(prompt_len, max_tokens, num_tokens, doubling):
-    """What a contiguous cache holds (the rule of steps 05-06: prompt + max_tokens up front; of step07:
-    start at the prompt, double, cap at prompt + max_tokens). The same rule as steps/step08/run.py."""
-    if not doubling:
-        return prompt_len + max_tokens
-    reserved = prompt_len
-    while reserved < num_tokens:
-        reserved = min(2 * reserved, prompt_len + max_tokens)
-    return reserved
-
-
 def utilisation(model, device, block_sizes=(64, 16, 4), num_requests=16, max_tokens=96):
     """step08: 16 seeded requests (prompts of 8-64 tokens, 8-96 new tokens); after every iteration, add up
     tokens stored and KV slots reserved: paged (measured from the block tables) for several block sizes,
@@ -138,8 +128,8 @@ def utilisation(model, device, block_sizes=(64, 16, 4), num_requests=16, max_tok
                 p, m = lengths[r.request_id]
                 stored += r.num_computed_tokens
                 paged += len(r.block_table) * bs
-                upfront += _contiguous_reservation(p, m, r.num_computed_tokens, doubling=False)
-                doubling += _contiguous_reservation(p, m, r.num_computed_tokens, doubling=True)
+                upfront += contiguous_reservation(p, m, r.num_computed_tokens, doubling=False)
+                doubling += contiguous_reservation(p, m, r.num_computed_tokens, doubling=True)
         if not result["rows"]:
             result["rows"] += [{"policy": "contiguous, prompt + max_tokens (step05-06)", "utilisation": stored / upfront},
                                {"policy": "contiguous, doubling (step07)", "utilisation": stored / doubling}]
