@@ -1,0 +1,122 @@
+"""What the Part 5 run.py files share: the same batch of chat requests through two steps, phase by phase.
+
+Each step of Part 5 changes one part of the engine. Its run.py runs the same requests through the step
+before it and through itself, on the same model and device, and prints both profiles side by side (ms per
+engine step in each phase, model forwards per step, tokens/s), next to a micro-benchmark of the part it
+changed. One run, one process: a ratio of two numbers measured together, not two numbers from two days.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+
+from shared.cli import format_table, int_at_least, step_arg_parser
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
+             "List three uses of a paperclip.", "Why is the sky blue?", "How do bees make honey?",
+             "What is a prime number?", "Describe a cat in one sentence."]
+
+
+def anatomy_arg_parser(description: str):
+    """A Part 5 run.py's options: every step's, plus --requests and --profile."""
+    parser = step_arg_parser(description, lesson_tokens=32)
+    parser.add_argument("--requests", type=int_at_least(1), default=8,
+                        help="requests in the measured run (default: %(default)s)")
+    parser.add_argument("--profile", metavar="TRACE.json", default=None,
+                        help="also write a torch.profiler Chrome trace of this step's measured run (open it in "
+                             "chrome://tracing or https://ui.perfetto.dev); it records every op, so keep the run small")
+    return parser
+
+
+def profile_run(llm, requests: int, new_tokens: int, trace: str | None = None) -> dict:
+    """Run `requests` chat questions, `new_tokens` each (greedy, EOS ignored), after a short warm-up; with
+    `trace`, under torch.profiler, written there as a Chrome trace.
+    -> tokens/s, ms per engine step of each phase, forwards per step, the outputs' token ids."""
+    import torch
+
+    from shared.params import SamplingParams
+
+    conversations = [[{"role": "user", "content": q}] for q in (QUESTIONS * (requests // len(QUESTIONS) + 1))]
+    llm.chat(conversations[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    llm.timers.reset()
+    forwards = llm.stats.get("forwards", 0)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if llm.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities) if trace else contextlib.nullcontext()
+    with profiler:
+        start = time.perf_counter()
+        outs = llm.chat(conversations[:requests], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+        wall = time.perf_counter() - start
+    if trace:
+        profiler.export_chrome_trace(trace)
+    steps = max(llm.timers.steps, 1)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tokens_per_s": tokens / wall, "wall_s": wall, "steps": llm.timers.steps, "tokens": tokens,
+            "ms_per_step": {name: 1000 * s / steps for name, s in llm.timers.seconds.items()},
+            "phase_share": sum(llm.timers.seconds.values()) / wall,
+            "forwards_per_step": (llm.stats.get("forwards", 0) - forwards) / steps if "forwards" in llm.stats else None,
+            "token_ids": [o.outputs[0].token_ids for o in outs]}
+
+
+def load_llm(step: str, args, **options):
+    """steps/<step>'s LLM on the same model, device and dtype as this run."""
+    engine = importlib.import_module(f"steps.{step}.engine")
+    return engine.LLM(args.model, device=args.device, dtype=args.dtype, **options)
+
+
+def before_after(previous: str, this: str, llm, args, **options) -> tuple[dict, dict]:
+    """The same args.requests requests through the previous step and this one; print both profiles side by side.
+    The outputs must be equal (greedy): say so, or fail loudly. --profile traces this step's run."""
+    requests = args.requests
+    before = profile_run(load_llm(previous, args, **options), requests, args.lesson_tokens)
+    after = profile_run(llm, requests, args.lesson_tokens, trace=getattr(args, "profile", None))
+    rows = [[name, f"{before['ms_per_step'][name]:.2f}", f"{after['ms_per_step'][name]:.2f}",
+             _ratio(before["ms_per_step"][name], after["ms_per_step"][name])] for name in after["ms_per_step"]]
+    if before["forwards_per_step"] is not None:
+        rows.append(["model forwards per step", f"{before['forwards_per_step']:.2f}",
+                     f"{after['forwards_per_step']:.2f}", ""])
+    rows.append(["tokens/s", f"{before['tokens_per_s']:.1f}", f"{after['tokens_per_s']:.1f}",
+                 _ratio(after["tokens_per_s"], before["tokens_per_s"])])
+    print(f"\n{requests} requests x {args.lesson_tokens} new tokens on {llm.device}, the same requests through "
+          f"{previous} and {this} (ms per engine step; speed-up = before / after):")
+    print(format_table(["phase", f"{previous} ms", f"{this} ms", "speed-up"], rows))
+    if before["token_ids"] != after["token_ids"]:
+        raise SystemExit(f"error: {this}'s outputs differ from {previous}'s on the same requests")
+    print(f"The outputs are equal, token for token ({after['tokens']} tokens in {after['steps']} engine steps). "
+          f"{this}'s phases cover {100 * after['phase_share']:.1f}% of its wall time.")
+    if getattr(args, "profile", None):
+        print(f"trace written: {args.profile} ({this}'s run; open it in chrome://tracing or https://ui.perfetto.dev; "
+              "the phases appear by name)")
+    return before, after
+
+
+def _ratio(before: float, after: float) -> str:
+    return f"{before / after:.2f}x" if after > 0 else "-"
+
+
+def time_ms(fn, device, repeat: int = 20) -> float:
+    """Median milliseconds of fn() over `repeat` calls after one warm-up (on CUDA, waiting for the GPU)."""
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def print_micro(title: str, rows: list[list]) -> None:
+    """rows: [case, before ms, after ms] -> a table with the speed-up."""
+    print(f"\n{title}")
+    print(format_table(["case", "before ms", "after ms", "speed-up"],
+                       [[case, f"{b:.3f}", f"{a:.3f}", _ratio(b, a)] for case, b, a in rows]))
