@@ -15,7 +15,7 @@ Markers a page may use (each is replaced when the site is built):
     <!-- figure: tokens-per-s -->                                  an SVG plot drawn here with matplotlib
     <!-- fig-table: timeline-continuous -->                        a table traced by make_figures.py
     <!-- fig-value: hash_chain.second_request.hits -->             one value of figures.json inline
-A workload key may also be a base workload with a suffix ("standard-step10", "mixed-step10-qwen3"): the
+A workload key may also be a base workload with a suffix ("standard-step10", "mixed-step10-qwen3", "mixed-part4"): the
 numbers of one chapter's own run, kept apart so that each table compares numbers of one run. Such an entry may
 carry its own "model", "date" and "git_commit" (the caption then names them); the all-steps plot draws the base
 workloads only.
@@ -52,8 +52,8 @@ def _load() -> None:
 def _result(device: str, workload: str, step: str) -> dict | None:
     if device not in _bench:
         raise ValueError(f"bench marker: no docs/data/{device}.json")
-    if workload.split("-step", 1)[0] not in WORKLOADS:
-        raise ValueError(f"bench marker: unknown workload {workload!r}; known: {WORKLOADS} (or <workload>-stepNN...)")
+    if not any(workload == w or workload.startswith(w + "-") for w in WORKLOADS):
+        raise ValueError(f"bench marker: unknown workload {workload!r}; known: {WORKLOADS} (or <workload>-<suffix>)")
     if workload not in WORKLOADS and workload not in _bench[device]["workloads"]:
         raise ValueError(f"bench marker: docs/data/{device}.json has no workload {workload!r}")
     wl = _bench[device]["workloads"].get(workload)
