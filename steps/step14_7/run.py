@@ -9,7 +9,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
-from shared.anatomy import anatomy_arg_parser, before_after
+from shared.anatomy import anatomy_arg_parser, before_after, time_ms
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -53,12 +53,36 @@ def show_one_step(llm) -> None:
         llm.abort_request(seq.request_id)
 
 
-def part5_table(args) -> None:
-    """step13, step14_7 and HF generate on the standard chat requests, at batch 1 and 4 (shared/bench.py)."""
+def matmul_floor_tokens_per_s(llm, batch: int) -> float:
+    """The tokens/s of a decode step that did nothing but its matmuls: every weight matrix of every layer and
+    lm_head applied to `batch` rows, nothing else. On a CPU these read every weight from memory once per step,
+    so no engine that computes in this dtype can go much faster than this."""
+    import torch
+
+    c, w = llm.model.config, llm.model.w
+    x = torch.randn(batch, c.hidden_size, device=llm.device, dtype=llm.dtype)
+    attn_out = torch.randn(batch, c.num_heads * c.head_dim, device=llm.device, dtype=llm.dtype)
+    hidden = torch.randn(batch, c.intermediate_size, device=llm.device, dtype=llm.dtype)
+
+    def matmuls():
+        for layer in range(c.num_layers):
+            p = f"model.layers.{layer}."
+            x @ w[p + "self_attn.qkv_proj.weight"].T
+            attn_out @ w[p + "self_attn.o_proj.weight"].T
+            x @ w[p + "mlp.gate_up_proj.weight"].T
+            hidden @ w[p + "mlp.down_proj.weight"].T
+        x @ w["lm_head.weight"].T
+
+    return batch / (time_ms(matmuls, llm.device, repeat=10) / 1000)
+
+
+def part5_table(llm, args) -> None:
+    """step13, step14_7 and HF generate on the standard chat requests, at batch 1 and 4 (shared/bench.py), and
+    the matmul floor measured in the same run."""
     from shared.bench import run_bench, run_hf_bench
 
     rows = []
-    for workload, label in (("single", "batch 1"), ("standard", "batch 4")):
+    for workload, label, batch in (("single", "batch 1", 1), ("standard", "batch 4", 4)):
         runs = {step: run_bench(step, args.model, args.device, args.dtype, workload, args.lesson_tokens)
                 for step in ("step13", "step14_7")}
         if not args.no_hf:
@@ -68,9 +92,15 @@ def part5_table(args) -> None:
             rows.append([label, "HF transformers generate" if name == "hf" else name, f"{r['tokens_per_s']:.1f}",
                          f"{r['tokens_per_s'] / runs['step13']['tokens_per_s']:.2f}x",
                          f"{r['tokens_per_s'] / hf:.2f}x" if hf else "-"])
+        floor = matmul_floor_tokens_per_s(llm, batch)
+        rows.append([label, "matmuls alone (the floor)", f"{floor:.1f}",
+                     f"{floor / runs['step13']['tokens_per_s']:.2f}x", f"{floor / hf:.2f}x" if hf else "-"])
     print(f"\nPart 5 in one table: the standard chat requests, {args.lesson_tokens} new tokens each, greedy "
           f"(one warm-up, then one run each; progress above):")
     print(format_table(["batch", "engine", "tokens/s", "vs step13", "vs HF"], rows))
+    print("\"matmuls alone\": one decode step's weight matrices applied to the batch's rows and nothing else, timed "
+          "here: no engine computing in this dtype gets far past it. On a CPU it is the time to read every weight "
+          "once per step; on a GPU the engines are far from it (Part 6 and 7 close that gap).")
 
 
 def show_lesson(llm, args) -> None:
@@ -78,7 +108,7 @@ def show_lesson(llm, args) -> None:
     before, after = before_after("step14_6", "step14_7", llm, args)
     print(f"Forwards per engine step: {before['forwards_per_step']:.2f} in step14_6 (one per prefill chunk, one for "
           f"the decodes) and {after['forwards_per_step']:.2f} in step14_7, whatever the mix.")
-    part5_table(args)
+    part5_table(llm, args)
 
 
 if __name__ == "__main__":
