@@ -60,9 +60,29 @@ def profile_run(llm, requests: int, new_tokens: int, trace: str | None = None) -
             "token_ids": [o.outputs[0].token_ids for o in outs]}
 
 
+# On a GPU two engines live side by side in these demos, and each sizes its KV cache from the memory it is allowed
+# (gpu_memory_utilization): the step's own engine takes 40% of the device, the one it is compared with 85% (of
+# which the first engine's 40% is already used), so both fit.
+DEMO_SHARE, COMPARED_SHARE = 0.4, 0.85
+
+
+def _gpu_share(args, share: float) -> dict:
+    from shared import resolve_device_dtype
+
+    device, _ = resolve_device_dtype(args.device, args.dtype)
+    return {"gpu_memory_utilization": share} if device.type == "cuda" else {}
+
+
+def demo_llm(LLM, args):
+    """The step's own engine for its run.py (on a GPU with room left for a second engine)."""
+    return LLM(args.model, device=args.device, dtype=args.dtype, **_gpu_share(args, DEMO_SHARE))
+
+
 def load_llm(step: str, args, **options):
-    """steps/<step>'s LLM on the same model, device and dtype as this run."""
+    """steps/<step>'s LLM on the same model, device and dtype as this run (beside the demo's own engine)."""
     engine = importlib.import_module(f"steps.{step}.engine")
+    if "max_kv_tokens" not in options:
+        options = {**_gpu_share(args, COMPARED_SHARE), **options}
     return engine.LLM(args.model, device=args.device, dtype=args.dtype, **options)
 
 

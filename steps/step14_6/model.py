@@ -202,7 +202,7 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     scores = scores.view(kv_heads, group, T, -1)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))  # [T, S] broadcast over every head
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(kv_heads, group * T, -1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(kv_heads, group * T, -1)  # fp32 inside
     out = torch.matmul(probs, values.permute(1, 0, 2))  # [kv_heads, group * T, head_dim]: one bmm
     return out.view(kv_heads, group, T, head_dim).permute(2, 0, 1, 3).reshape(T, heads * head_dim)
 

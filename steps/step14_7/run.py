@@ -1,6 +1,7 @@
 """step14_7 demo: one model forward per engine step, whatever the mix of prefill chunks and decodes; the forwards
 per step and tokens/s against step14_6 on the same requests; then Part 5 in one table: step13, step14_7 and HF
 transformers `generate` on the same chat requests, at batch 1 and batch 4."""
+import gc
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
-from shared.anatomy import anatomy_arg_parser, before_after, time_ms
+from shared.anatomy import anatomy_arg_parser, before_after, demo_llm, time_ms
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -21,10 +22,13 @@ def main() -> None:
                         help="leave HF transformers out of the last table (it loads the model a third time)")
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
-        llm = LLM(args.model, device=args.device, dtype=args.dtype)
+        llm = demo_llm(LLM, args)  # on a GPU: 40% of the memory, room for the engine it is compared with
         print_header("step14_7: batched varlen forward", llm)
         answer_question(llm, args)
-        show_lesson(llm, args)
+        floors = show_lesson(llm, args)
+        del llm  # the last table loads each engine afresh, each with the whole device to itself
+        gc.collect()
+        part5_table(args, floors)
 
 
 def show_one_step(llm) -> None:
@@ -76,7 +80,7 @@ def matmul_floor_tokens_per_s(llm, batch: int) -> float:
     return batch / (time_ms(matmuls, llm.device, repeat=10) / 1000)
 
 
-def part5_table(llm, args) -> None:
+def part5_table(args, floors: dict) -> None:
     """step13, step14_7 and HF generate on the standard chat requests, at batch 1 and 4 (shared/bench.py), and
     the matmul floor measured in the same run."""
     from shared.bench import run_bench, run_hf_bench
@@ -92,23 +96,24 @@ def part5_table(llm, args) -> None:
             rows.append([label, "HF transformers generate" if name == "hf" else name, f"{r['tokens_per_s']:.1f}",
                          f"{r['tokens_per_s'] / runs['step13']['tokens_per_s']:.2f}x",
                          f"{r['tokens_per_s'] / hf:.2f}x" if hf else "-"])
-        floor = matmul_floor_tokens_per_s(llm, batch)
+        floor = floors[batch]
         rows.append([label, "matmuls alone (the floor)", f"{floor:.1f}",
                      f"{floor / runs['step13']['tokens_per_s']:.2f}x", f"{floor / hf:.2f}x" if hf else "-"])
     print(f"\nPart 5 in one table: the standard chat requests, {args.lesson_tokens} new tokens each, greedy "
           f"(one warm-up, then one run each; progress above):")
     print(format_table(["batch", "engine", "tokens/s", "vs step13", "vs HF"], rows))
     print("\"matmuls alone\": one decode step's weight matrices applied to the batch's rows and nothing else, timed "
-          "here: no engine computing in this dtype gets far past it. On a CPU it is the time to read every weight "
-          "once per step; on a GPU the engines are far from it (Part 6 and 7 close that gap).")
+          "here: no engine computing in this dtype gets far past it. On a CPU, for SmolLM2 in fp32, it is about the time "
+          "to read every weight from memory once per step; on a GPU the engines are far from it (Parts 6 and 7 close "
+          "that gap).")
 
 
-def show_lesson(llm, args) -> None:
+def show_lesson(llm, args) -> dict:
     show_one_step(llm)
     before, after = before_after("step14_6", "step14_7", llm, args)
     print(f"Forwards per engine step: {before['forwards_per_step']:.2f} in step14_6 (one per prefill chunk, one for "
           f"the decodes) and {after['forwards_per_step']:.2f} in step14_7, whatever the mix.")
-    part5_table(llm, args)
+    return {batch: matmul_floor_tokens_per_s(llm, batch) for batch in (1, 4)}  # measured before the table
 
 
 if __name__ == "__main__":
