@@ -73,9 +73,14 @@ def _gpu_share(args, share: float) -> dict:
     return {"gpu_memory_utilization": share} if device.type == "cuda" else {}
 
 
-def demo_llm(LLM, args):
-    """The step's own engine for its run.py (on a GPU with room left for a second engine)."""
-    return LLM(args.model, device=args.device, dtype=args.dtype, **_gpu_share(args, DEMO_SHARE))
+def demo_options(args) -> dict:
+    """The options of the step's own engine in its run.py: on a GPU, a share that leaves room for a second engine."""
+    return _gpu_share(args, DEMO_SHARE)
+
+
+def step_module(step: str, module: str):
+    """steps/<step>/<module>.py, loaded by name: a run.py compares its own code with the step before it."""
+    return importlib.import_module(f"steps.{step}.{module}")
 
 
 def load_llm(step: str, args, **options):

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("LLM_DOCS_DATA", ROOT / "docs" / "data"))  # another folder: to try the pages on other data
 
 DEVICE_LABEL = {"cpu": "CPU", "h200": "H200"}
-WORKLOADS = ("standard", "mixed", "shared-prefix")
+WORKLOADS = ("standard", "single", "mixed", "shared-prefix")
 _bench: dict = {}
 _fig: dict = {}
 

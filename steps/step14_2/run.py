@@ -8,9 +8,8 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     __package__ = "steps." + Path(__file__).parent.name
 
-from shared.anatomy import anatomy_arg_parser, before_after, demo_llm, print_micro, time_ms
+from shared.anatomy import anatomy_arg_parser, before_after, demo_options, print_micro, step_module, time_ms
 from shared.cli import answer_question, print_header, user_errors
-from steps.step14_1.model import gather_kv_from_blocks
 
 from .engine import LLM
 from .model import context_slots, gather_kv
@@ -20,13 +19,14 @@ def main() -> None:
     parser = anatomy_arg_parser(__doc__)
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
-        llm = demo_llm(LLM, args)  # on a GPU: 40% of the memory, room for the engine it is compared with
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))  # GPU: room for 2 engines
         print_header("step14_2: index_select gather", llm)
         answer_question(llm, args)
         show_lesson(llm, args)
 
 
 def show_lesson(llm, args) -> None:
+    gather_kv_from_blocks = step_module("step14_1", "model").gather_kv_from_blocks  # step14_1's loop
     cache = llm.kv_cache.k[0]  # one layer's K: [num_blocks, block_size, kv_heads, head_dim]
     num_blocks, block_size = cache.shape[:2]
     rows = []

@@ -72,7 +72,8 @@ class ModelRunner:
         self.model.kv_cache = KVCache(self.model.config, num_blocks, block_size, self.device, self.dtype)
         input_ids = torch.zeros(1, num_tokens, dtype=torch.long, device=self.device)  # [1, num_tokens]
         positions = torch.arange(num_tokens, device=self.device)[None]  # [1, num_tokens]
-        self.model.forward(input_ids, positions, self._metadata([0], num_tokens, [list(range(num_blocks))], block_size))
+        self.model.forward(input_ids, positions,
+                           self._metadata([0], num_tokens, [list(range(num_blocks))], block_size))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.model.kv_cache = None
@@ -95,7 +96,8 @@ class ModelRunner:
         return input_ids, positions, self._metadata([start], n, [seq.block_table])
 
     def _metadata(self, starts: list[int], num_new: int, block_tables: list[list[int]], block_size=None):
-        """The attention metadata of B rows of num_new tokens each, with the slot mapping, each row's context slots and causal mask computed once here."""
+        """The attention metadata of B rows of num_new tokens each, with the slot mapping, each row's context slots and causal mask
+        computed once here."""
         block_size = block_size or self.kv_cache.data.shape[3]
         slots = torch.tensor(slot_mapping(starts, num_new, block_tables, block_size), device=self.device)
         context = [context_slots(table, start + num_new, block_size, self.device)

@@ -9,9 +9,8 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     __package__ = "steps." + Path(__file__).parent.name
 
-from shared.anatomy import anatomy_arg_parser, before_after, demo_llm, print_micro, time_ms
+from shared.anatomy import anatomy_arg_parser, before_after, demo_options, print_micro, step_module, time_ms
 from shared.cli import answer_question, print_header, user_errors
-from steps.step14_4.block_manager import BlockManager as OldBlockManager
 
 from .block_manager import BlockManager
 from .engine import LLM
@@ -33,14 +32,15 @@ def main() -> None:
     parser = anatomy_arg_parser(__doc__)
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
-        llm = demo_llm(LLM, args)  # on a GPU: 40% of the memory, room for the engine it is compared with
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))  # GPU: room for 2 engines
         print_header("step14_5: incremental hash", llm)
         answer_question(llm, args)
         show_lesson(llm, args)
 
 
 def show_lesson(llm, args) -> None:
-    import steps.step14_4.block_manager as old_module
+    old_module = step_module("step14_4", "block_manager")  # step14_4's block manager
+    OldBlockManager = old_module.BlockManager
 
     calls = {"n": 0}
     old_hash = old_module.block_hash

@@ -10,7 +10,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
-from shared.anatomy import anatomy_arg_parser, before_after, demo_llm, load_llm
+from shared.anatomy import anatomy_arg_parser, before_after, demo_options, load_llm
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -34,7 +34,7 @@ def main() -> None:
     parser = anatomy_arg_parser(__doc__)
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
-        llm = demo_llm(LLM, args)  # on a GPU: 40% of the memory, room for the engine it is compared with
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))  # GPU: room for 2 engines
         print_header("step14_6: BlockManager.release()", llm)
         answer_question(llm, args)
         show_lesson(llm, args)

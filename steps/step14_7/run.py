@@ -1,7 +1,6 @@
 """step14_7 demo: one model forward per engine step, whatever the mix of prefill chunks and decodes; the forwards
 per step and tokens/s against step14_6 on the same requests; then Part 5 in one table: step13, step14_7 and HF
 transformers `generate` on the same chat requests, at batch 1 and batch 4."""
-import gc
 import sys
 from pathlib import Path
 
@@ -10,7 +9,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
-from shared.anatomy import anatomy_arg_parser, before_after, demo_llm, time_ms
+from shared.anatomy import anatomy_arg_parser, before_after, demo_options, time_ms
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -22,13 +21,10 @@ def main() -> None:
                         help="leave HF transformers out of the last table (it loads the model a third time)")
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
-        llm = demo_llm(LLM, args)  # on a GPU: 40% of the memory, room for the engine it is compared with
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))  # GPU: room for 2 engines
         print_header("step14_7: batched varlen forward", llm)
         answer_question(llm, args)
-        floors = show_lesson(llm, args)
-        del llm  # the last table loads each engine afresh, each with the whole device to itself
-        gc.collect()
-        part5_table(args, floors)
+        show_lesson(llm, args)
 
 
 def show_one_step(llm) -> None:
@@ -108,12 +104,13 @@ def part5_table(args, floors: dict) -> None:
           "that gap).")
 
 
-def show_lesson(llm, args) -> dict:
+def show_lesson(llm, args) -> None:
     show_one_step(llm)
     before, after = before_after("step14_6", "step14_7", llm, args)
     print(f"Forwards per engine step: {before['forwards_per_step']:.2f} in step14_6 (one per prefill chunk, one for "
           f"the decodes) and {after['forwards_per_step']:.2f} in step14_7, whatever the mix.")
-    return {batch: matmul_floor_tokens_per_s(llm, batch) for batch in (1, 4)}  # measured before the table
+    # The last table loads each engine afresh (on a GPU beside this one: it holds 40% of the memory).
+    part5_table(args, {batch: matmul_floor_tokens_per_s(llm, batch) for batch in (1, 4)})
 
 
 if __name__ == "__main__":
