@@ -158,9 +158,10 @@ class LLM:
         if not scheduled:  # idle: nothing waits or runs
             return []
         self.timers.steps += 1
-        self.stats["decode_steps"] += bool(decodes)
-        self.stats["decode_rows"] += len(decodes)
-        self.stats["prefill_chunks"] += len(chunks)
+        with timer("schedule"):
+            self.stats["decode_steps"] += bool(decodes)
+            self.stats["decode_rows"] += len(decodes)
+            self.stats["prefill_chunks"] += len(chunks)
         try:
             logits = self.runner.execute(decodes, chunks)  # one row per scheduled sequence, in that order
             with timer("schedule"):
@@ -169,7 +170,9 @@ class LLM:
                 # token's), otherwise its row is dropped.
                 rows = [i for i, seq in enumerate(scheduled) if seq.num_computed_tokens == seq.num_tokens]
             if rows:  # one sampler call for the whole batch
-                self._append_tokens([scheduled[i] for i in rows], logits[rows])
+                with timer("sample"):
+                    sampled, row_logits = [scheduled[i] for i in rows], logits[rows]
+                self._append_tokens(sampled, row_logits)
         except BaseException:  # a failure mid-step leaves these sequences half-updated: drop them, then re-raise
             for seq in scheduled:
                 self.abort_request(seq.request_id)
