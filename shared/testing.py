@@ -20,6 +20,20 @@ BF16_LOGPROB_MAX_ATOL = 0.5
 VLLM_RULE_TOP_K = 5
 
 
+class FakeRequest:
+    """What a block manager reads of a request (or sequence), without an engine: for block-manager tests."""
+
+    def __init__(self, token_ids):
+        self.token_ids = list(token_ids)
+        self.block_table, self.block_hashes = [], []
+        self.num_computed_tokens = 0
+        self.num_cached_blocks = 0  # step14_5 on: blocks registered in the cache (block_hashes then covers all tokens)
+
+    @property
+    def num_tokens(self):
+        return len(self.token_ids)
+
+
 def load_engine(step: str):
     """The `engine` module of steps/<step>."""
     return importlib.import_module(f"steps.{step}.engine")

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import STEPS, cached_llm
 from shared import SamplingParams
-from shared.testing import load_engine
+from shared.testing import FakeRequest, load_engine
 from test_part2 import MAX_TOKENS, PROMPTS, TINY, assert_same, greedy, reference
 
 PAGED = STEPS[STEPS.index("step08"):] if "step08" in STEPS else []
@@ -53,18 +53,6 @@ def test_bad_paged_options(step):
 
 
 # ---- block manager invariants under random operations -------------------------------------------
-
-class FakeRequest:
-    def __init__(self, token_ids):
-        self.token_ids = token_ids
-        self.block_table, self.block_hashes = [], []
-        self.num_computed_tokens = 0
-        self.num_cached_blocks = 0  # step14_5 on: blocks registered in the cache (block_hashes then covers all tokens)
-
-    @property
-    def num_tokens(self):
-        return len(self.token_ids)
-
 
 def check_invariants(bm, requests):
     owners = {}

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from conftest import STEPS
 from shared import SamplingParams
-from shared.testing import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
+from shared.testing import STEP_LOGPROB_ATOL_FP32, FakeRequest, compare_completions, load_engine
 
 PART5 = [s for s in STEPS if s.startswith("step14")]
 
@@ -146,16 +146,6 @@ def test_mask_built_once_equals_the_per_row_mask(step):
             assert torch.equal(causal_mask(start, new, "cpu"), expected)
 
 
-class Seq:
-    def __init__(self, tokens):
-        self.token_ids, self.block_table, self.block_hashes = list(tokens), [], []
-        self.num_computed_tokens = self.num_cached_blocks = 0
-
-    @property
-    def num_tokens(self):
-        return len(self.token_ids)
-
-
 # ---- step14_5: incremental hash --------------------------------------------------------------------------
 def pressure_run(step, work, max_kv_tokens=160):
     llm = load_engine(step).LLM("random:tiny-llama", device="cpu", max_kv_tokens=max_kv_tokens, block_size=16)
@@ -190,7 +180,7 @@ def test_block_hashes_equal_step14_4s_and_are_computed_once(step):
     for i in range(len(tokens) // 16):
         parent = block_hash(parent, tuple(tokens[i * 16:(i + 1) * 16]))
         chain.append(parent)
-    probe = Seq(tokens)
+    probe = FakeRequest(tokens)
     new.block_manager.hash_new_blocks(probe)
     assert probe.block_hashes == chain
 
@@ -235,7 +225,7 @@ def test_allocate_append_release_invariants(step, ops):
 
     for op, x in ops:
         if op == "admit":
-            s = Seq((shared if x % 2 else []) + [rng.randrange(30) for _ in range(1 + x % 7)])
+            s = FakeRequest((shared if x % 2 else []) + [rng.randrange(30) for _ in range(1 + x % 7)])
             if bm.can_allocate(s, s.num_tokens):
                 s.num_computed_tokens = bm.allocate(s, s.num_tokens)
                 s.num_computed_tokens = s.num_tokens  # its prefill ran
