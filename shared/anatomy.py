@@ -145,3 +145,14 @@ def print_micro(title: str, rows: list[list]) -> None:
     print(f"\n{title}")
     print(format_table(["case", "before ms", "after ms", "speed-up"],
                        [[case, f"{b:.3f}", f"{a:.3f}", _ratio(b, a)] for case, b, a in rows]))
+
+
+def copy_gb_per_s(device, mib: int = 1024) -> float:
+    """The device's copy bandwidth, measured now: a mib-MiB tensor copied into another, bytes read + written per
+    second, in GB/s. The memory roofline of a kernel that only streams data (a decode reads the KV cache once)."""
+    import torch
+
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, repeat=10)
+    return 2 * src.numel() / (ms / 1000) / 1e9

@@ -103,21 +103,26 @@ def mixed_requests(seed=5):
 
 @pytest.mark.parametrize("budget", [1, 7, 512])
 @pytest.mark.parametrize("model", ["random:tiny-llama", "random:tiny-qwen3"])
-def test_step15_equals_step14_7_with_the_kernel(model, budget, monkeypatch):
-    """Every prefill chunk goes through the kernel, one launch per layer per step; only decodes loop."""
-    step_model = importlib.import_module("steps.step15.model")
-    launches = counting(monkeypatch, kernels("step15"), "paged_attention")
+@pytest.mark.parametrize("step", ["step15", "step16"])
+def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
+    """step15: every prefill chunk goes through the kernel, one launch per layer in a step with chunks; only the
+    decodes loop. step16: the decodes too, one launch per layer in a step with decodes; nothing loops."""
+    step_model = importlib.import_module(f"steps.{step}.model")
+    prefill = counting(monkeypatch, kernels(step), "paged_attention")
+    decode = counting(monkeypatch, kernels(step, "decode"), "paged_decode_v2") if step != "step15" else {"n": 0}
     looped = counting(monkeypatch, step_model, "grouped_attention")
     prompts, params = mixed_requests()
     options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)
     expected = load_engine("step14_7").LLM(model, **options).generate(prompts, params)
-    llm = load_engine("step15").LLM(model, attention_backend="triton", **options)
-    schedule, decodes = llm.scheduler.schedule, 0
+    llm = load_engine(step).LLM(model, attention_backend="triton", **options)
+    schedule, decodes, steps_with = llm.scheduler.schedule, 0, {"decodes": 0, "chunks": 0}
 
     def counted_schedule():
         nonlocal decodes
         decoding, chunks = schedule()
         decodes += len(decoding)
+        steps_with["decodes"] += bool(decoding)
+        steps_with["chunks"] += bool(chunks)
         return decoding, chunks
 
     llm.scheduler.schedule = counted_schedule
@@ -125,9 +130,12 @@ def test_step15_equals_step14_7_with_the_kernel(model, budget, monkeypatch):
     for a, b in zip(got, expected):
         compare_completions(a.outputs[0], b.outputs[0], STEP_LOGPROB_ATOL_FP32)
     layers = llm.model.config.num_layers
-    assert launches["n"] > 0 and launches["n"] % layers == 0, launches  # one launch per layer in a step with chunks
-    assert launches["n"] // layers <= llm.stats["forwards"]
-    assert looped["n"] == decodes * layers, (looped, decodes)  # the loop saw decode rows only, never a chunk
+    assert prefill["n"] == steps_with["chunks"] * layers > 0, (prefill, steps_with)  # one launch per layer
+    if step == "step15":
+        assert looped["n"] == decodes * layers, (looped, decodes)  # the loop saw decode rows only, never a chunk
+    else:
+        assert decode["n"] == steps_with["decodes"] * layers > 0, (decode, steps_with)
+        assert looped["n"] == 0, looped  # no sequence attends on its own any more
 
 
 def test_attention_backend_choice():

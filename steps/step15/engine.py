@@ -1,7 +1,8 @@
-"""step14_7: batched varlen forward. Every scheduled token of every sequence, prefill chunks and decodes
-alike, goes through the model in one flat batch described by cu_seqlens_q/k, positions and the slot mapping:
-the embedding, the projections and the MLP run once per step, and lm_head only on each sequence's last token.
-Attention still runs sequence by sequence.
+"""step15: flash attention. step14_7's flat batch, with the attention of every prefill chunk of a step computed
+by one Triton kernel per layer (kernels/attention.py): online softmax over the paged KV cache, read through the
+block tables, causal, grouped-query. Decodes still attend sequence by sequence (step16 gives them a kernel).
+`attention_backend` picks the kernel ("triton", the default on CUDA) or step14_7's loop ("torch", the default
+elsewhere; the kernel runs on a CPU only in Triton's interpreter).
 
 The anatomy is step14's:
 
@@ -10,7 +11,7 @@ The anatomy is step14's:
     block_manager.py  which cache blocks hold which tokens (paged KV, prefix caching)
     model_runner.py   sequences -> tensors, the forward, the sampler; owns the model and the KV cache
 
-and engine.py only wires them. Outputs equal step14_6's.
+and engine.py only wires them. Outputs equal step14_7's.
 """
 from __future__ import annotations
 

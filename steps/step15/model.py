@@ -163,7 +163,7 @@ class CausalLM:
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # views of the one KV tensor
         write_kv(k_cache, attn.slot_mapping, k)  # one scatter for every new token of every sequence
         write_kv(v_cache, attn.slot_mapping, v)
-        # Each sequence has its own context: attention still runs sequence by sequence (step15: one kernel).
+        # The decodes (or, on the torch path, every sequence) attend one by one; the prefill chunks in one kernel.
         outputs = []
         kernel = attn.prefill is not None and self.attention_backend == "triton"
         for i in range(attn.prefill.first if kernel else attn.num_seqs):  # decodes (or all, on the torch path)
