@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 # The step list: a new step joins every equivalence and API test by being added here.
 STEPS = ["step01", "step02", "step03", "step04", "step05", "step06", "step07", "step08", "step09", "step10",
          "step11", "step12", "step13", "step14", "step14_1", "step14_2", "step14_3", "step14_4", "step14_5", "step14_6", "step14_7",
-         "step15", "step16"]
+         "step15", "step16", "step17"]
 # The prompts the equivalence harness runs through every step (chat questions and plain text).
 CHAT_PROMPTS = [
     "What is the capital of France?",

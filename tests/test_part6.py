@@ -83,11 +83,14 @@ def test_flash_attention_refuses_bad_input():
 
 
 def counting(monkeypatch, module, name):
-    calls = {"n": 0}
+    """Count the calls of module.name (and, for flash_decode, record each call's split count)."""
+    calls = {"n": 0, "splits": []}
     real = getattr(module, name)
 
     def counted(*args, **kwargs):
         calls["n"] += 1
+        if name == "flash_decode":
+            calls["splits"].append(args[6] if len(args) > 6 else kwargs["num_splits"])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, counted)
@@ -103,18 +106,23 @@ def mixed_requests(seed=5):
 
 @pytest.mark.parametrize("budget", [1, 7, 512])
 @pytest.mark.parametrize("model", ["random:tiny-llama", "random:tiny-qwen3"])
-@pytest.mark.parametrize("step", ["step15", "step16"])
+@pytest.mark.parametrize("step", ["step15", "step16", "step17"])
 def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
     """step15: every prefill chunk goes through the kernel, one launch per layer in a step with chunks; only the
-    decodes loop. step16: the decodes too, one launch per layer in a step with decodes; nothing loops."""
+    decodes loop. step16: the decodes too, one launch per layer in a step with decodes; nothing loops. step17:
+    the decodes through flash decoding, with contexts split in several parts (the split rule is lowered to 8
+    tokens per part so that these short contexts split)."""
     step_model = importlib.import_module(f"steps.{step}.model")
     prefill = counting(monkeypatch, kernels(step), "paged_attention")
-    decode = counting(monkeypatch, kernels(step, "decode"), "paged_decode_v2") if step != "step15" else {"n": 0}
+    decode_kernel = {"step16": "paged_decode_v2", "step17": "flash_decode"}.get(step)
+    decode = counting(monkeypatch, kernels(step, "decode"), decode_kernel) if decode_kernel else {"n": 0}
     looped = counting(monkeypatch, step_model, "grouped_attention")
     prompts, params = mixed_requests()
     options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)
     expected = load_engine("step14_7").LLM(model, **options).generate(prompts, params)
     llm = load_engine(step).LLM(model, attention_backend="triton", **options)
+    if step == "step17":
+        llm.runner.split_rule["min_tokens_per_split"] = 8
     schedule, decodes, steps_with = llm.scheduler.schedule, 0, {"decodes": 0, "chunks": 0}
 
     def counted_schedule():
@@ -136,6 +144,8 @@ def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
     else:
         assert decode["n"] == steps_with["decodes"] * layers > 0, (decode, steps_with)
         assert looped["n"] == 0, looped  # no sequence attends on its own any more
+    if step == "step17":
+        assert max(decode["splits"]) > 1, decode["splits"]  # contexts were really split
 
 
 def test_attention_backend_choice():

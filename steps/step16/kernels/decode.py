@@ -26,7 +26,8 @@ Three versions of the same math, out = softmax(q·Kᵀ · scale) · V per (seque
                     so each K/V byte leaves memory once; a single pass with the online softmax, so no scores are
                     stored. This is the one the engine uses.
 
-All accumulation is in fp32; the output has q's dtype.
+All accumulation is in fp32; the output has q's dtype. On the CPU, Triton's interpreter (TRITON_INTERPRET=1) runs
+the kernels for fp32 and fp16; v2 refuses bf16 there (the interpreter's tl.dot gets bf16 wrong).
 """
 from __future__ import annotations
 
@@ -85,10 +86,6 @@ def _check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens):
         raise ValueError(f"all inputs must be on one device, got {devices}")
 
 
-# --------------------------------------------------------------------------------------------------------------
-# The reference
-# --------------------------------------------------------------------------------------------------------------
-
 def _check_not_interpreted_bf16(dtype):
     """Triton's CPU interpreter (TRITON_INTERPRET=1) stores bfloat16 as raw uint16 and its tl.dot multiplies those
     bit patterns (results ~1e10; triton-lang/triton#11584, "not supported yet"). Refuse rather than return
@@ -97,6 +94,10 @@ def _check_not_interpreted_bf16(dtype):
         raise ValueError("bfloat16 is not supported under TRITON_INTERPRET=1 (the interpreter's tl.dot is wrong "
                          "for it): use float16 or float32 on the CPU")
 
+
+# --------------------------------------------------------------------------------------------------------------
+# The reference
+# --------------------------------------------------------------------------------------------------------------
 
 def decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """The same math in plain torch, sequence by sequence: gather the context through the block table, repeat
