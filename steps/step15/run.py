@@ -12,7 +12,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 
 import torch
 
-from shared.anatomy import anatomy_arg_parser, before_after, demo_options, time_ms
+from shared.anatomy import anatomy_arg_parser, before_after, demo_options, kernel_ms, time_ms
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -92,18 +92,19 @@ def show_kernel(llm) -> None:
         rows.append([T, "step14_7 loop (gather + bmm + mask + softmax + bmm)", f"{loop_ms:.3f}",
                      f"{flops / loop_ms / per:.1f}", f"{scores_mib:.1f}"])
         if on_gpu:
-            kernel_ms = time_ms(lambda: paged_attention(q, k, v, table, cu, lens, scale, T), llm.device)
+            kernel = kernel_ms(lambda: paged_attention(q, k, v, table, cu, lens, scale, T), llm.device)
             qs, ks, vs = (x.transpose(0, 1)[None] for x in (q, keys, values))  # [1, heads, T, D]
             if c.num_heads != c.num_kv_heads:
                 ks = ks.repeat_interleave(c.num_heads // c.num_kv_heads, dim=1)
                 vs = vs.repeat_interleave(c.num_heads // c.num_kv_heads, dim=1)
             sdpa = torch.nn.functional.scaled_dot_product_attention
-            sdpa_ms = time_ms(lambda: sdpa(qs, ks, vs, is_causal=True), llm.device)
-            rows.append([T, "step15 kernel (paged, online softmax)", f"{kernel_ms:.3f}",
-                         f"{flops / kernel_ms / per:.1f}", "0 (tiles in registers)"])
+            sdpa_ms = kernel_ms(lambda: sdpa(qs, ks, vs, is_causal=True), llm.device)
+            rows.append([T, "step15 kernel (paged, online softmax)", f"{kernel:.3f}",
+                         f"{flops / kernel / per:.1f}", "0 (tiles in registers)"])
             rows.append([T, "torch SDPA (contiguous K/V, no paging)", f"{sdpa_ms:.3f}",
                          f"{flops / sdpa_ms / per:.1f}", "0"])
-    print(f"\nOne prompt's attention in one layer, {c.num_heads} heads (median of repeated calls, {llm.device}):")
+    print(f"\nOne prompt's attention in one layer, {c.num_heads} heads ({llm.device}; the loop: median ms per call as the "
+          f"CPU sees it; the kernel and SDPA: their kernels' GPU time, CUDA profiler):")
     print(format_table(["prompt tokens", "how", "ms", unit, "score matrix MiB"], rows))
     if not on_gpu:
         print("On a CPU the kernel runs only in Triton's interpreter (correct, and far too slow to time), so only "

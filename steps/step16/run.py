@@ -13,7 +13,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 
 import torch
 
-from shared.anatomy import anatomy_arg_parser, before_after, copy_gb_per_s, demo_options, time_ms
+from shared.anatomy import anatomy_arg_parser, before_after, copy_gb_per_s, demo_options, kernel_ms, time_ms
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -95,7 +95,7 @@ def show_decode_kernels(llm) -> None:
     kv_bytes = 2 * batch * context * c.num_kv_heads * c.head_dim * k.element_size()  # K and V, read once
     copy = copy_gb_per_s(llm.device, 1024 if on_gpu else 64)
     rows = [["copy bandwidth (a 1 GiB copy, read + write)" if on_gpu else "copy bandwidth (a 64 MiB copy)",
-             "-", f"{copy:.0f}", "100%"]]
+             "-", "-", f"{copy:.0f}", "100%"]]
     timed = [("step15's loop (gather + attention per sequence)", loop)]
     if on_gpu:
         timed += [("v1 kernel: whole context per (sequence, head), stored scores",
@@ -104,11 +104,16 @@ def show_decode_kernels(llm) -> None:
                    lambda: paged_decode_v2(q, k, v, tables, lens, scale))]
     for name, fn in timed:
         ms = time_ms(fn, llm.device, repeat=10)
-        gbs = kv_bytes / (ms / 1000) / 1e9
-        rows.append([name, f"{ms:.3f}", f"{gbs:.0f}", f"{100 * gbs / copy:.0f}%"])
+        gpu = kernel_ms(fn, llm.device)  # the kernels alone (None on a CPU)
+        gbs = kv_bytes / ((gpu or ms) / 1000) / 1e9
+        rows.append([name, f"{ms:.3f}", f"{gpu:.3f}" if gpu else "-", f"{gbs:.0f}", f"{100 * gbs / copy:.0f}%"])
     print(f"\n{batch} decodes of {context} tokens of context each, one layer ({kv_bytes / 2**20:.0f} MiB of K/V to "
-          f"read; median of repeated calls, {llm.device}):")
-    print(format_table(["how", "ms", "GB/s of K/V", "of copy bandwidth"], rows))
+          f"read; median of repeated calls, {llm.device}; GB/s from the kernels' own time where there is one):")
+    print(format_table(["how", "ms per call", "kernels alone ms", "GB/s of K/V", "of copy bandwidth"], rows))
+    if on_gpu:
+        print("\"ms per call\" is what a caller waits, Python and launches included; \"kernels alone\" is the GPU's "
+              "time in the kernels (CUDA profiler). When the first is much larger, the CPU cannot launch fast enough to "
+              "keep the GPU busy: step21's CUDA graphs remove that cost.")
     if not on_gpu:
         print("On a CPU the kernels run only in Triton's interpreter (correct, and far too slow to time), so only "
               "the loop is timed here.")

@@ -15,6 +15,8 @@ masked (phase 2); tiles above the tile's last query are never read.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -70,11 +72,13 @@ if triton is not None:
             allowed = (keys_pos[None, :] <= query_pos[:, None]) & in_ctx[None, :]
             s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no allowed key yet
+        m_safe = m_new
+        if MASKED:  # a row may have seen no allowed key yet (m_new = -inf): subtract 0 instead, p is 0 anyway
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         correction = tl.exp2(m - m_safe)  # how much the old sums shrink now that the maximum grew
         l = l * correction + tl.sum(p, 1)
-        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None])  # rescale, then add p @ V in the same matmul
         return m_new, l, acc
 
     @triton.jit
@@ -117,11 +121,21 @@ if triton is not None:
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def tile_config(max_query_len: int, head_dim: int) -> dict:
-    """Tile sizes and warps: large tiles for long prompt chunks (more work per K/V read), small ones for short
-    chunks (fewer idle rows). Overridable per call, which the benchmark in run.py uses."""
-    if max_query_len >= 128:
-        return dict(block_m=128, block_n=64 if head_dim <= 128 else 32, num_warps=8, num_stages=3)
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (132 on an H200); 132 stands in on a CPU (the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def tile_config(max_query_len: int, head_dim: int, programs_per_128_rows: int, sms: int) -> dict:
+    """Tile sizes and warps, chosen by rules measured on the H200 (docs/data/raw/h200_step15_tune_*.txt).
+    Long chunks: 128 queries per program, while that still gives at least two programs per multiprocessor;
+    else 64 (a 1,024-token prompt of 16 heads makes 128 programs of 128 rows, too few for 132 SMs). Short chunks
+    and decodes: 16 rows, so that few rows are idle. Overridable per call (the benchmarks try others)."""
+    if max_query_len >= 64 and programs_per_128_rows >= 2 * sms:
+        if head_dim >= 128:
+            return dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
+        return dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
     if max_query_len >= 64:
         return dict(block_m=64, block_n=64, num_warps=4, num_stages=3)
     return dict(block_m=16, block_n=64, num_warps=4, num_stages=2)
@@ -146,7 +160,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k,
         raise ValueError(f"head_dim {head_dim}: the kernel needs a power of two >= 16")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("q and the caches must be contiguous in head_dim, and K and V must share strides")
-    config = tile_config(max_query_len, head_dim)
+    config = tile_config(max_query_len, head_dim, triton.cdiv(max_query_len, 128) * num_seqs * num_heads,
+                         num_sms(q.device))
     for name, value in dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages).items():
         if value is not None:
             config[name] = value

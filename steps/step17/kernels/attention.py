@@ -72,11 +72,13 @@ if triton is not None:
             allowed = (keys_pos[None, :] <= query_pos[:, None]) & in_ctx[None, :]
             s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no allowed key yet
+        m_safe = m_new
+        if MASKED:  # a row may have seen no allowed key yet (m_new = -inf): subtract 0 instead, p is 0 anyway
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         correction = tl.exp2(m - m_safe)  # how much the old sums shrink now that the maximum grew
         l = l * correction + tl.sum(p, 1)
-        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None])  # rescale, then add p @ V in the same matmul
         return m_new, l, acc
 
     @triton.jit
