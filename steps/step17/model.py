@@ -185,12 +185,15 @@ class CausalLM:
             return torch.cat(outputs) @ self.w[p + "o_proj.weight"].T  # [N, hidden]
         # No Python loop: every decode row in one flash-decoding pass, every prefill chunk in one launch.
         from .kernels.attention import paged_attention
-        from .kernels.decode import flash_decode
+        from .kernels.decode import flash_decode, paged_decode_v2
 
         if attn.decode is not None:  # flash decoding: a split kernel and a merge kernel
             d = attn.decode
-            out = flash_decode(q[:d.num], k_cache, v_cache, d.block_tables, d.seq_lens, c.head_dim ** -0.5,
-                               d.num_splits)
+            if d.num_splits == 1:  # the batch fills the GPU without splitting: step16's kernel, no merge
+                out = paged_decode_v2(q[:d.num], k_cache, v_cache, d.block_tables, d.seq_lens, c.head_dim ** -0.5)
+            else:
+                out = flash_decode(q[:d.num], k_cache, v_cache, d.block_tables, d.seq_lens, c.head_dim ** -0.5,
+                                   d.num_splits)
             outputs.append(out.reshape(d.num, c.num_heads * c.head_dim))
         if attn.prefill is not None:
             f = attn.prefill
