@@ -29,7 +29,8 @@ Three versions of the same math, out = softmax(q·Kᵀ · scale) · V per (seque
 All accumulation is in fp32; the output has q's dtype. On the CPU, Triton's interpreter (TRITON_INTERPRET=1) runs
 the kernels for fp32 and fp16; v2 refuses bf16 there (the interpreter's tl.dot gets bf16 wrong).
 
-step17 adds a fourth, below the other three: flash_decode. Flash decoding: split each sequence's context across several programs, then merge the parts.
+step17 adds a fourth, below the other three: flash_decode. Flash decoding: split each sequence's context across
+several programs, then merge the parts.
 
 paged_decode_v2 runs one program per (sequence, KV head). At batch 64 with 8 KV heads that is 512 programs,
 plenty for a GPU with 132 multiprocessors (SMs). At batch 1 it is 8 programs: 8 SMs stream the whole context
