@@ -145,3 +145,34 @@ def print_micro(title: str, rows: list[list]) -> None:
     print(f"\n{title}")
     print(format_table(["case", "before ms", "after ms", "speed-up"],
                        [[case, f"{b:.3f}", f"{a:.3f}", _ratio(b, a)] for case, b, a in rows]))
+
+
+def copy_gb_per_s(device, mib: int = 1024) -> float:
+    """The device's copy bandwidth, measured now: a mib-MiB tensor copied into another, bytes read + written per
+    second, in GB/s. The memory roofline of a kernel that only streams data (a decode reads the KV cache once)."""
+    import torch
+
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, repeat=10)
+    return 2 * src.numel() / (ms / 1000) / 1e9
+
+
+def kernel_ms(fn, device, calls: int = 10) -> float | None:
+    """The GPU time of fn's kernels alone, ms per call: the durations the CUDA profiler records for every kernel fn
+    launches, summed over `calls` calls and divided by them. time_ms measures a call as the CPU sees it, launches
+    and Python included; for a kernel of some microseconds the launches take longer than the kernel, and only this
+    measures the kernel itself. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize(device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in kernels) / calls / 1000

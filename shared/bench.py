@@ -126,15 +126,16 @@ def decode_weight_bytes(model: str, bytes_per_weight: int) -> int:
 
 
 def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "standard", max_tokens: int = 128,
-              repeat: int | None = None) -> dict:
-    """Run the workload `repeat` times (default: 3 on CUDA, 1 on CPU) after a warm-up; report the median run."""
+              repeat: int | None = None, max_num_seqs: int | None = None) -> dict:
+    """Run the workload `repeat` times (default: 3 on CUDA, 1 on CPU) after a warm-up; report the median run.
+    max_num_seqs: the engine's seats (None: the step's default); HF's padded batch always holds every request."""
     import importlib
 
     import torch
 
     _progress(f"{step}: loading {model} ...")
     engine = importlib.import_module(f"steps.{step}.engine")
-    llm = engine.LLM(model, device=device, dtype=dtype)
+    llm = engine.LLM(model, device=device, dtype=dtype, **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}))
     prompts, params = WORKLOADS[workload](llm.tokenizer, max_tokens)
     if repeat is None:
         repeat = 3 if llm.device.type == "cuda" else 1  # the CPU runs are long and steady; the GPU's are short
@@ -158,7 +159,7 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
     result = dict(
         step=step, model=model, device=str(llm.device), dtype=str(llm.dtype).replace("torch.", ""),
         backend=llm.backend, workload=workload, requests=len(prompts), generated_tokens=generated,
-        repeat=repeat, wall_s=wall, tokens_per_s=tokens_per_s, ttft_median_ms=ttft * 1000,
+        max_num_seqs=getattr(getattr(llm, "scheduler", None), "max_num_seqs", None), repeat=repeat, wall_s=wall, tokens_per_s=tokens_per_s, ttft_median_ms=ttft * 1000,
         peak_memory_mb=peak_mb, peak_memory_kind=peak_kind,
     )
     if llm.device.type == "cuda":
@@ -320,11 +321,16 @@ def main() -> None:
     parser.add_argument("--workload", default="standard", choices=sorted(WORKLOADS))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=None, help="runs of the workload (default: 3 on cuda, 1 on cpu)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engine's seats, sequences in one step (default: the step's own default)")
     args = parser.parse_args()
-    for flag, value in (("--max-tokens", args.max_tokens), ("--repeat", args.repeat)):
+    for flag, value in (("--max-tokens", args.max_tokens), ("--repeat", args.repeat),
+                        ("--max-num-seqs", args.max_num_seqs)):
         if value is not None and value < 1:
             parser.error(f"argument {flag}: must be at least 1, got {value}")
-    bench = run_hf_bench if args.hf else functools.partial(run_bench, args.step)
+    if args.hf and args.max_num_seqs:
+        parser.error("--max-num-seqs is an engine option: HF generate serves the workload as one padded batch")
+    bench = run_hf_bench if args.hf else functools.partial(run_bench, args.step, max_num_seqs=args.max_num_seqs)
     try:
         result = bench(args.model, args.device, args.dtype, args.workload, args.max_tokens, args.repeat)
     except ValueError as e:  # bad input (model, device, dtype, a workload HF cannot serve): one line, no traceback

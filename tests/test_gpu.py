@@ -13,16 +13,21 @@ MAX_TOKENS = 32
 
 
 @functools.lru_cache(maxsize=1)
-def hf_model():
+def hf_model(model: str = MODEL):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype=torch.bfloat16).cuda().eval()
+    return AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.bfloat16).cuda().eval()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("step", STEPS)
 def test_step_matches_hf_in_bf16(step):
-    llm = load_engine(step).LLM(MODEL, device="cuda", dtype="bfloat16")
+    check_against_hf(step, MODEL)
+
+
+def check_against_hf(step: str, model: str, **options) -> None:
+    """The step's greedy bf16 answers to the chat prompts against HF's logprobs on the same tokens (vLLM rule)."""
+    llm = load_engine(step).LLM(model, device="cuda", dtype="bfloat16", **options)
     assert llm.dtype == torch.bfloat16 and llm.device.type == "cuda"
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=VLLM_RULE_TOP_K,
@@ -31,7 +36,7 @@ def test_step_matches_hf_in_bf16(step):
     for prompt, out in zip(prompts, outs):
         ids = torch.tensor([prompt + out.outputs[0].token_ids], device="cuda")
         with torch.inference_mode():
-            ref = torch.log_softmax(hf_model()(ids).logits[0].float(), dim=-1)[len(prompt) - 1:-1]  # [gen, vocab]
+            ref = torch.log_softmax(hf_model(model)(ids).logits[0].float(), dim=-1)[len(prompt) - 1:-1]  # [gen, vocab]
         for i, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
             hf_top = torch.topk(ref[i], VLLM_RULE_TOP_K).indices.tolist()
             if tok != hf_top[0]:
@@ -40,5 +45,5 @@ def test_step_matches_hf_in_bf16(step):
                 break  # after a divergence the sequences are no longer comparable
             diffs.append(abs(lp[tok] - float(ref[i, tok])))
     mean, worst = sum(diffs) / len(diffs), max(diffs)
-    print(f"{step} vs HF (bf16, cuda, {MODEL}): {len(diffs)} tokens, mean |dlogprob| {mean:.4f}, max {worst:.4f}")
+    print(f"{step} vs HF (bf16, cuda, {model}): {len(diffs)} tokens, mean |dlogprob| {mean:.4f}, max {worst:.4f}")
     assert mean <= BF16_LOGPROB_MEAN_ATOL and worst <= BF16_LOGPROB_MAX_ATOL

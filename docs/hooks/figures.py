@@ -13,6 +13,8 @@ Markers a page may use (each is replaced when the site is built):
                                                                    bandwidth_tbs, generated_tokens)
     <!-- bench-ratio: cpu mixed step05 step04 -->                  tokens/s of the first step over the second
     <!-- figure: tokens-per-s -->                                  an SVG plot drawn here with matplotlib
+    <!-- figure: roofline-decode -->                               a kernel roofline, from h200.json's "kernels"
+                                                                   (docs/data/bench_kernels.py's JSON)
     <!-- fig-table: timeline-continuous -->                        a table traced by make_figures.py
     <!-- fig-value: hash_chain.second_request.hits -->             one value of figures.json inline
 A workload key may also be a base workload with a suffix ("standard-step10", "mixed-step10-qwen3", "mixed-part4"): the
@@ -390,17 +392,160 @@ def plot_utilisation() -> str:
     return _svg(fig)
 
 
+# ---------------------------------------------------------------- kernel rooflines (h200.json's "kernels")
+# The JSON that docs/data/bench_kernels.py writes on the H200, pasted into docs/data/h200.json under "kernels".
+
+KERNELS_DEVICE = "h200"
+H200_BF16_DENSE_TFLOPS = 989  # NVIDIA's H200 datasheet: dense BF16 tensor-core peak (1,979 is with 2:4 sparsity)
+ROOFLINE_NEEDS = {"roofline-prefill": ("prefill",), "roofline-decode": ("copy", "decode"),
+                  "roofline-flash-decoding": ("copy", "flash_decoding")}
+
+
+def _kernels(figure_name: str) -> dict:
+    """h200.json's "kernels" entry, with the sections the figure draws; a clear error if any is missing."""
+    where = f"figure {figure_name}: docs/data/{KERNELS_DEVICE}.json"
+    if KERNELS_DEVICE not in _bench:
+        raise ValueError(f"figure {figure_name}: no docs/data/{KERNELS_DEVICE}.json")
+    k = _bench[KERNELS_DEVICE].get("kernels")
+    if not k:
+        raise ValueError(f"{where} has no \"kernels\" entry: run `python3 docs/data/bench_kernels.py --out "
+                         f"kernels_h200.json` on the H200 and paste its JSON there under \"kernels\"")
+    if k.get("smoke"):
+        raise ValueError(f"{where}: \"kernels\" is a --smoke run (tiny sizes, Triton's interpreter), not a measurement")
+    for section in ROOFLINE_NEEDS[figure_name]:
+        if not k.get(section):
+            why = (k.get("skipped") or {}).get({"flash_decoding": "flash"}.get(section, section), "")
+            raise ValueError(f"{where}: \"kernels\" has no {section!r} rows" + (f" ({why})" if why else ""))
+    return k
+
+
+def _series(rows: list[dict], name: str, unit: str) -> tuple[list[float], bool]:
+    """name's values per row: the kernels-only time's ("v2_gpu_gb_per_s") where the rows have it, else do_bench's
+    ("v2_gb_per_s"), which counts the time the GPU waits for the CPU's launches too. -> (values, kernels_only)."""
+    gpu = f"{name}_gpu_{unit}"
+    if all(gpu in r for r in rows):
+        return [r[gpu] for r in rows], True
+    return [r[f"{name}_{unit}"] for r in rows], False
+
+
+def _timing_note(kernels_only: bool) -> str:
+    return ("kernel time only (CUDA profiler)" if kernels_only
+            else "time per call (do_bench median)")
+
+
+def _kernels_title(ax, k: dict, what: str) -> None:
+    shapes = k.get("shapes", {})
+    ax.set_title(f"{k['device']}, {k['dtype']}, {shapes.get('heads')} query / {shapes.get('kv_heads')} KV heads, "
+                 f"head_dim {shapes.get('head_dim')}, {what}; measured {k['date']}", fontsize=8, loc="left")
+
+
+def _log2_x(ax, xs, label: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [f"{x // 1024}K" if x >= 1024 and x % 1024 == 0 else str(x) for x in xs])
+    ax.minorticks_off()
+    ax.set_xlabel(label)
+
+
+def _copy_line(ax, k: dict) -> float:
+    copy = k["copy"]["gb_per_s"]
+    ax.axhline(copy, color="black", ls="--", lw=1)
+    ax.text(0.01, copy, f" measured copy bandwidth, {copy / 1000:.2f} TB/s (read + write of 1 GiB)",
+            transform=ax.get_yaxis_transform(), va="bottom", fontsize=8)
+    return copy
+
+
+def plot_roofline_prefill() -> str:
+    plt = _setup()
+    k = _kernels("roofline-prefill")
+    rows = k["prefill"]
+    block = min(r["block_size"] for r in rows)
+    main = [r for r in rows if r["block_size"] == block]
+    xs = [r["seq_len"] for r in main]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    sdpa = "torch SDPA" + (" (cuDNN flash attention)" if any("cudnn" in n for n in k.get("sdpa_kernels", []))
+                           else " (FlashAttention)" if any("flash" in n for n in k.get("sdpa_kernels", [])) else "")
+    ys, kernels_only = _series(main, "sdpa", "tflops")
+    ax.plot(xs, ys, marker="o", color="tab:gray", label=sdpa)
+    ax.plot(xs, _series(main, "kernel", "tflops")[0], marker="o", color="tab:blue",
+            label=f"step15 paged_attention (blocks of {block})")
+    other = [r for r in rows if r["block_size"] != block]
+    if other:
+        ax.plot([r["seq_len"] for r in other], _series(other, "kernel", "tflops")[0], "s", color="tab:orange",
+                label="step15, blocks of " + "/".join(sorted({str(r["block_size"]) for r in other})))
+    ax.axhline(H200_BF16_DENSE_TFLOPS, color="black", ls="--", lw=1)
+    ax.text(0.01, H200_BF16_DENSE_TFLOPS, f" H200 dense bf16 peak, {H200_BF16_DENSE_TFLOPS} TFLOP/s (datasheet)",
+            transform=ax.get_yaxis_transform(), va="bottom", fontsize=8)
+    _log2_x(ax, xs, "sequence length S (one sequence, S new tokens, causal)")
+    ax.set_ylabel(f"TFLOP/s ({'kernel time' if kernels_only else 'do_bench'})")
+    ax.set_ylim(0, H200_BF16_DENSE_TFLOPS * 1.12)
+    _kernels_title(ax, k, f"batch 1; {_timing_note(kernels_only)}")
+    ax.legend(frameon=False, fontsize=8, loc="center right")
+    return _svg(fig)
+
+
+def plot_roofline_decode() -> str:
+    plt = _setup()
+    k = _kernels("roofline-decode")
+    batch = max(r["batch"] for r in k["decode"])
+    rows = sorted((r for r in k["decode"] if r["batch"] == batch), key=lambda r: r["context"])
+    xs = [r["context"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    copy = _copy_line(ax, k)
+    for name, color, label in (("v1", "tab:red", "v1: a program per query head, scores through memory"),
+                               ("v2", "tab:blue", "v2: a program per KV head, online softmax")):
+        ys, kernels_only = _series(rows, name, "gb_per_s")
+        ax.plot(xs, ys, marker="o", color=color, label=label)
+    _log2_x(ax, xs, f"context length (tokens per sequence, batch {batch})")
+    ax.set_ylabel("GB/s (K and V read once + q + out)")
+    ax.set_ylim(0, copy * 1.15)
+    _kernels_title(ax, k, f"batch {batch}; {_timing_note(kernels_only)}")
+    ax.legend(frameon=False, fontsize=8, loc="center right")
+    return _svg(fig)
+
+
+def plot_roofline_flash_decoding() -> str:
+    plt = _setup()
+    k = _kernels("roofline-flash-decoding")
+    rows = sorted(k["flash_decoding"], key=lambda r: r["context"])
+    xs = [r["context"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    copy = _copy_line(ax, k)
+    ax.plot(xs, _series(rows, "v2", "gb_per_s")[0], marker="o", color="tab:blue", label="v2 (one program per KV head)")
+    flash, kernels_only = _series(rows, "flash", "gb_per_s")
+    ax.plot(xs, flash, marker="o", color="tab:green", label="flash decoding (labels: choose_num_splits' split count)")
+    for x, y, r in zip(xs, flash, rows):
+        ax.annotate(f"{r['num_splits']}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
+                    fontsize=7, color="tab:green")
+    if kernels_only:  # per call, the CPU's launches included: at batch 1 they can take longer than the kernels
+        ax.plot(xs, [r["flash_gb_per_s"] for r in rows], ls=":", marker=".", color="tab:green",
+                label="flash decoding, time per call with its launches (do_bench)")
+    _log2_x(ax, xs, "context length (tokens, batch 1)")
+    ax.set_ylabel("GB/s (K and V read once + q + out)")
+    ax.set_ylim(0, copy * 1.15)
+    _kernels_title(ax, k, f"batch 1; {_timing_note(kernels_only)}")
+    ax.legend(frameon=False, fontsize=8, loc="center left", bbox_to_anchor=(0, 0.6))
+    return _svg(fig)
+
+
 PLOTS = {"tokens-per-s": (plot_tokens_per_s, "tokens/s of every step, CPU and H200 (log scale)"),
          "ms-per-token": (plot_ms_per_token, "ms per token against sequence length, steps 01-03"),
          "batch-size": (plot_batch_size, "step04: tokens/s against batch size"),
          "timeline": (plot_timeline, "static groups against continuous batching, seat by seat"),
-         "utilisation": (plot_utilisation, "step08: KV memory utilisation per policy")}
+         "utilisation": (plot_utilisation, "step08: KV memory utilisation per policy"),
+         "roofline-prefill": (plot_roofline_prefill, "prefill attention on the H200: TFLOP/s of torch SDPA and "
+                              "step15's kernel against sequence length, under the dense bf16 peak"),
+         "roofline-decode": (plot_roofline_decode, "decode attention on the H200 at batch 64: GB/s of v1 and v2 "
+                             "against context length, under the measured copy bandwidth"),
+         "roofline-flash-decoding": (plot_roofline_flash_decoding, "decode attention on the H200 at batch 1: GB/s "
+                                     "of v2 and flash decoding against context length, under the copy bandwidth")}
 _used: set[str] = set()
 
 
 def figure(name: str, page) -> str:
     if name not in PLOTS:
         raise ValueError(f"figure: unknown {name!r}; known: {sorted(PLOTS)}")
+    if name in ROOFLINE_NEEDS:
+        _kernels(name)  # missing data fails the build here, on the page that asks for it
     _used.add(name)
     depth = page.file.src_uri.count("/") + (0 if page.file.name == "index" else 1)
     src = "../" * depth + f"figures/{name}.svg"

@@ -1,7 +1,7 @@
 """mkdocs hook: write each chapter's code from the steps/ folders at build time, and link the chapters.
 
 In a chapter's markdown:
-    <!-- step-diff: step01 step02 -->   the unified diff of every file that changed from step01 to step02:
+    <!-- step-diff: step01 step02 -->   the unified diff of every file (kernels/ included) that changed from step01 to step02:
                                         the lesson's files first (new files, then the most changed),
                                         run.py (the demo) last and collapsed
     <!-- step-files: step01 -->         every Python file of step01, in full
@@ -29,7 +29,9 @@ def _files(step: str) -> dict[str, str]:
     folder = STEPS / step
     if not folder.is_dir():
         raise ValueError(f"step-diff/step-files: no folder steps/{step}")
-    return {p.name: p.read_text() for p in sorted(folder.glob("*.py")) if p.name != "__init__.py"}
+    # The step's own files and its kernels/ (Part 6 on), named by their path inside the step folder.
+    files = sorted([*folder.glob("*.py"), *folder.glob("kernels/*.py")])
+    return {p.relative_to(folder).as_posix(): p.read_text() for p in files if p.name != "__init__.py"}
 
 
 def _fence(lang: str, text: str) -> str:
@@ -41,7 +43,7 @@ def _collapsed(title: str, body: str) -> str:
 
 
 def _anchor(step: str, name: str) -> str:
-    return f"src-{step}-{name.replace('.', '-')}"
+    return f"src-{step}-{name.replace('.', '-').replace('/', '-')}"
 
 
 def render_diff(old: str, new: str) -> str:

@@ -1,0 +1,181 @@
+"""Part 6: the Triton kernels equal their torch references, and the engines that use them equal step14_7.
+
+Without CUDA the kernels run in Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), in fp32 and fp16;
+the `gpu` tests compile them and check bf16 at real model shapes."""
+import importlib
+import random
+
+import pytest
+import torch
+
+from shared import SamplingParams
+from shared.testing import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kernels(step: str, name: str = "attention"):
+    return importlib.import_module(f"steps.{step}.kernels.{name}")
+
+
+def make_case(query_lens, cached, block_size, heads, kv_heads, head_dim, dtype, seed=0, device=DEVICE):
+    """A flat varlen batch over a paged cache whose blocks are scattered: sequence i has cached[i] tokens in the
+    cache and query_lens[i] new ones (their K/V written too). -> q, k_cache, v_cache, block_tables,
+    cu_seqlens_q, seq_lens_k."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    ctx = [c + n for c, n in zip(cached, query_lens)]
+    blocks_needed = [-(-c // block_size) for c in ctx]
+    num_blocks = sum(blocks_needed) + 3
+    order = list(range(num_blocks))
+    rng.shuffle(order)  # a sequence's blocks are anywhere in the pool
+    tables = torch.full((len(ctx), max(blocks_needed) + 1), 10**6, dtype=torch.int32)  # junk past the end
+    used = 0
+    for i, n in enumerate(blocks_needed):
+        tables[i, :n] = torch.tensor(order[used:used + n])
+        used += n
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen).to(dtype)
+    v = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    return [t.to(device) for t in (q, k, v, tables, cu, lens)]
+
+
+# ---- step15: flash attention over the paged cache -----------------------------------------------------------
+# Decodes, a chunk after a cached prefix, a prompt from scratch longer than one query tile, a 1-token context.
+QUERY_LENS = [1, 5, 40, 1, 33]
+CACHED = [0, 3, 20, 70, 0]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])  # GQA ratios 1, 3 and 8
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_flash_attention_equals_reference(block_size, heads, kv_heads, head_dim):
+    mod = kernels("step15")
+    q, k, v, tables, cu, lens = make_case(QUERY_LENS, CACHED, block_size, heads, kv_heads, head_dim, torch.float32)
+    scale = head_dim ** -0.5
+    expected = mod.attention_reference(q, k, v, tables, cu, lens, scale)
+    # Small tiles, so that chunks span several query tiles and contexts several key tiles (both kernel phases).
+    got = mod.paged_attention(q, k, v, tables, cu, lens, scale, max(QUERY_LENS), block_m=16, block_n=32)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tiles", [dict(), dict(block_m=32, block_n=16)])
+def test_flash_attention_fp16(tiles):
+    mod = kernels("step15")
+    q, k, v, tables, cu, lens = make_case([3, 1, 20, 64], [10, 30, 0, 5], 16, 8, 2, 64, torch.float16, seed=3)
+    expected = mod.attention_reference(q, k, v, tables, cu, lens, 0.125)
+    got = mod.paged_attention(q, k, v, tables, cu, lens, 0.125, 64, **tiles)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-3, atol=2e-3)
+
+
+def test_flash_attention_refuses_bad_input():
+    mod = kernels("step15")
+    q, k, v, tables, cu, lens = make_case([2], [0], 16, 4, 4, 64, torch.float32)
+    with pytest.raises(ValueError, match="not a multiple"):
+        mod.paged_attention(q[:, :3], k, v, tables, cu, lens, 0.1, 2)
+    with pytest.raises(ValueError, match="power of two"):
+        mod.paged_attention(q[..., :48], k[..., :48], v[..., :48], tables, cu, lens, 0.1, 2)
+
+
+def counting(monkeypatch, module, name):
+    """Count the calls of module.name (and, for flash_decode, record each call's split count)."""
+    calls = {"n": 0, "splits": []}
+    real = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        if name == "flash_decode":
+            calls["splits"].append(args[6] if len(args) > 6 else kwargs["num_splits"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def mixed_requests(seed=5):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (3, 17, 40, 9, 64)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=2) for i in range(5)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("budget", [1, 7, 512])
+@pytest.mark.parametrize("model", ["random:tiny-llama", "random:tiny-qwen3"])
+@pytest.mark.parametrize("step", ["step15", "step16", "step17"])
+def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
+    """step15: every prefill chunk goes through the kernel, one launch per layer in a step with chunks; only the
+    decodes loop. step16: the decodes too, one launch per layer in a step with decodes; nothing loops. step17:
+    the decodes through flash decoding where the rule splits (lowered to 8 tokens per part so that these short
+    contexts split), step16's kernel where it picks one part."""
+    step_model = importlib.import_module(f"steps.{step}.model")
+    prefill = counting(monkeypatch, kernels(step), "paged_attention")
+    decode = counting(monkeypatch, kernels(step, "decode"), "paged_decode_v2") if step != "step15" else {"n": 0}
+    split = counting(monkeypatch, kernels(step, "decode"), "flash_decode") if step == "step17" else {"n": 0}
+    looped = counting(monkeypatch, step_model, "grouped_attention")
+    prompts, params = mixed_requests()
+    options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)
+    expected = load_engine("step14_7").LLM(model, **options).generate(prompts, params)
+    llm = load_engine(step).LLM(model, attention_backend="triton", **options)
+    if step == "step17":
+        llm.runner.split_rule["min_tokens_per_split"] = 8
+    schedule, decodes, steps_with = llm.scheduler.schedule, 0, {"decodes": 0, "chunks": 0}
+
+    def counted_schedule():
+        nonlocal decodes
+        decoding, chunks = schedule()
+        decodes += len(decoding)
+        steps_with["decodes"] += bool(decoding)
+        steps_with["chunks"] += bool(chunks)
+        return decoding, chunks
+
+    llm.scheduler.schedule = counted_schedule
+    got = llm.generate(prompts, params)
+    for a, b in zip(got, expected):
+        compare_completions(a.outputs[0], b.outputs[0], STEP_LOGPROB_ATOL_FP32)
+    layers = llm.model.config.num_layers
+    assert prefill["n"] == steps_with["chunks"] * layers > 0, (prefill, steps_with)  # one launch per layer
+    if step == "step15":
+        assert looped["n"] == decodes * layers, (looped, decodes)  # the loop saw decode rows only, never a chunk
+    else:
+        # one decode launch per layer in a step with decodes (step17: v2 when one part suffices, else split + merge)
+        assert decode["n"] + split["n"] == steps_with["decodes"] * layers > 0, (decode, split, steps_with)
+        assert looped["n"] == 0, looped  # no sequence attends on its own any more
+    if step == "step17":
+        assert split["n"] > 0 and min(split["splits"]) > 1, split["splits"]  # contexts were really split
+
+
+def test_attention_backend_choice():
+    engine = load_engine("step15")
+    assert engine.choose_attention_backend(None, torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="attention_backend must be"):
+        engine.LLM("random:tiny-llama", device="cpu", attention_backend="cuda")
+
+
+# ---- on the GPU: compiled, bf16, real model shapes ----------------------------------------------------------
+SHAPES = {"smollm2-135m": (9, 3, 64), "qwen3-0.6b": (16, 8, 128)}  # (query heads, KV heads, head_dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_flash_attention_compiled_bf16(shape, block_size):
+    mod = kernels("step15")
+    heads, kv_heads, head_dim = SHAPES[shape]
+    query_lens, cached = [1, 7, 300, 1, 129, 512], [0, 100, 40, 2000, 0, 1000]
+    q, k, v, tables, cu, lens = make_case(query_lens, cached, block_size, heads, kv_heads, head_dim, torch.bfloat16)
+    expected = mod.attention_reference(q, k, v, tables, cu, lens, head_dim ** -0.5)
+    got = mod.paged_attention(q, k, v, tables, cu, lens, head_dim ** -0.5, max(query_lens))
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", ["step15"])
+def test_qwen3_shape_matches_hf_in_bf16(step):
+    from test_gpu import check_against_hf
+
+    check_against_hf(step, "random:qwen3-0.6b")
