@@ -176,3 +176,37 @@ def kernel_ms(fn, device, calls: int = 10) -> float | None:
         torch.cuda.synchronize(device)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sum(e.time_range.elapsed_us() for e in kernels) / calls / 1000
+
+
+# ---- Part 6: the run.py files of the kernel steps ------------------------------------------------------------
+def kernel_arg_parser(description: str):
+    """A Part 6 run.py's options: a Part 5 run.py's, plus --attention-backend."""
+    parser = anatomy_arg_parser(description)
+    parser.add_argument("--attention-backend", choices=["triton", "torch"], default=None,
+                        help="attention: this step's Triton kernels or step14_7's loop (default: triton on CUDA, "
+                             "torch elsewhere; triton on a CPU needs TRITON_INTERPRET=1 and is very slow)")
+    return parser
+
+
+def print_attention_backend(llm, kernels: str) -> None:
+    """Say which attention path the engine runs: `kernels` describes the Triton path of this step."""
+    backend = llm.model.attention_backend
+    torch_path = "every sequence through step14_7's loop (the kernels' reference math); " + (
+        "no CUDA device here" if llm.device.type != "cuda" else "as asked")
+    print(f"attention backend: {backend} -> " + (kernels if backend == "triton" else torch_path))
+
+
+def interpreter_off_cuda(llm) -> None:
+    """Off CUDA the demos run their kernels in Triton's interpreter. It is chosen when a kernel is defined, so the
+    variable is set before the kernels are first imported."""
+    import os
+
+    if llm.device.type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def say_if_same_path(llm) -> None:
+    """After the engine comparison: on the torch path both engines ran the same loop, so say the ratio is noise."""
+    if llm.model.attention_backend != "triton":
+        print("Both engines ran the same per-sequence loop here, so the ratio is noise; the kernels' gain needs a "
+              "GPU (the chapter has the H200's figures).")

@@ -2,7 +2,6 @@
 loop over sequences. Which path ran is printed first. Then one prompt's attention three ways on the model's own
 shapes: step14_7's loop, the kernel and torch SDPA (time, TFLOP/s and the memory of the score matrix), the kernel
 checked against its torch reference; then the engine against step14_7 on the same requests."""
-import os
 import sys
 from pathlib import Path
 
@@ -12,7 +11,8 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 
 import torch
 
-from shared.anatomy import anatomy_arg_parser, before_after, demo_options, kernel_ms, time_ms
+from shared.anatomy import (before_after, demo_options, interpreter_off_cuda, kernel_arg_parser, kernel_ms,
+                            print_attention_backend, say_if_same_path, time_ms)
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -20,20 +20,14 @@ from .model import causal_mask, grouped_attention
 
 
 def main() -> None:
-    parser = anatomy_arg_parser(__doc__)
-    parser.add_argument("--attention-backend", choices=["triton", "torch"], default=None,
-                        help="prefill attention: the Triton kernel or step14_7's loop (default: triton on CUDA, "
-                             "torch elsewhere; triton on a CPU needs TRITON_INTERPRET=1 and is very slow)")
+    parser = kernel_arg_parser(__doc__)
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                   **demo_options(args))
         print_header("step15: flash attention", llm)
-        backend = llm.model.attention_backend
-        print(f"attention backend: {backend} -> " + (
-            "prefill chunks: one Triton kernel launch per layer (kernels/attention.py); decodes: the loop"
-            if backend == "triton" else "every sequence through step14_7's loop (kernels/attention.py's reference "
-            "math); " + ("no CUDA device here" if llm.device.type != "cuda" else "as asked")))
+        print_attention_backend(llm, "prefill chunks: one Triton kernel launch per layer (kernels/attention.py); "
+                                     "decodes: the loop")
         answer_question(llm, args)
         show_lesson(llm, args)
 
@@ -41,9 +35,7 @@ def main() -> None:
 def show_lesson(llm, args) -> None:
     show_kernel(llm)
     before_after("step14_7", "step15", llm, args)
-    if llm.model.attention_backend != "triton":
-        print("Both engines ran the same per-sequence loop here, so the ratio is noise; the kernel's gain needs "
-              "a GPU (the chapter has the H200's figures).")
+    say_if_same_path(llm)
 
 
 def paged_prompt(llm, T: int, seed: int = 0):
@@ -64,8 +56,7 @@ def show_kernel(llm) -> None:
     """One prompt's attention (one layer, the model's heads) through step14_7's loop, the kernel and SDPA."""
     c = llm.model.config
     on_gpu = llm.device.type == "cuda"
-    if not on_gpu:  # the interpreter is chosen when a kernel is defined: set it before the first import
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    interpreter_off_cuda(llm)
     try:
         from .kernels.attention import attention_reference, paged_attention
     except ImportError as error:

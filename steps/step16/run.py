@@ -3,7 +3,6 @@ ran is printed first. Then a batch of decodes on the model's own shapes three wa
 (whole context per program, exact softmax over stored scores) and the v2 kernel (online softmax, one pass), in
 ms and GB/s against the copy bandwidth measured in the same run; the kernels checked against their torch
 reference; then the engine against step15 on the same requests."""
-import os
 import sys
 from pathlib import Path
 
@@ -13,7 +12,8 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 
 import torch
 
-from shared.anatomy import anatomy_arg_parser, before_after, copy_gb_per_s, demo_options, kernel_ms, time_ms
+from shared.anatomy import (before_after, copy_gb_per_s, demo_options, interpreter_off_cuda, kernel_arg_parser,
+                            kernel_ms, print_attention_backend, say_if_same_path, time_ms)
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -21,20 +21,14 @@ from .model import grouped_attention
 
 
 def main() -> None:
-    parser = anatomy_arg_parser(__doc__)
-    parser.add_argument("--attention-backend", choices=["triton", "torch"], default=None,
-                        help="attention: the Triton kernels or step14_7's loop (default: triton on CUDA, torch "
-                             "elsewhere; triton on a CPU needs TRITON_INTERPRET=1 and is very slow)")
+    parser = kernel_arg_parser(__doc__)
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                   **demo_options(args))
         print_header("step16: paged attention", llm)
-        backend = llm.model.attention_backend
-        print(f"attention backend: {backend} -> " + (
-            "decodes: one Triton kernel launch per layer (kernels/decode.py, v2); prefill chunks: step15's kernel"
-            if backend == "triton" else "every sequence through step14_7's loop (the kernels' reference math); "
-            + ("no CUDA device here" if llm.device.type != "cuda" else "as asked")))
+        print_attention_backend(llm, "decodes: one Triton kernel launch per layer (kernels/decode.py, v2); "
+                                     "prefill chunks: step15's kernel")
         answer_question(llm, args)
         show_lesson(llm, args)
 
@@ -42,9 +36,7 @@ def main() -> None:
 def show_lesson(llm, args) -> None:
     show_decode_kernels(llm)
     before_after("step15", "step16", llm, args)
-    if llm.model.attention_backend != "triton":
-        print("Both engines ran the same per-sequence loop here, so the ratio is noise; the kernels' gain needs a "
-              "GPU (the chapter has the H200's figures).")
+    say_if_same_path(llm)
 
 
 def paged_decodes(llm, batch: int, context: int, block_size: int = 16, seed: int = 0):
@@ -65,8 +57,7 @@ def paged_decodes(llm, batch: int, context: int, block_size: int = 16, seed: int
 def show_decode_kernels(llm) -> None:
     c = llm.model.config
     on_gpu = llm.device.type == "cuda"
-    if not on_gpu:  # the interpreter is chosen when a kernel is defined: set it before the first import
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    interpreter_off_cuda(llm)
     try:
         from .kernels.decode import decode_reference, paged_decode_v1, paged_decode_v2
     except ImportError as error:

@@ -3,7 +3,6 @@ by a log-sum-exp reduce. Which path ran is printed first. Then one long decode (
 step16's v2 kernel against flash decoding with the split count the engine would choose, and a sweep of split counts,
 in ms and GB/s against the copy bandwidth measured in the same run; the split kernels checked against v2 for
 several split counts; then the engine against step16 on the same requests."""
-import os
 import sys
 from pathlib import Path
 
@@ -13,29 +12,22 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 
 import torch
 
-from shared.anatomy import (anatomy_arg_parser, before_after, copy_gb_per_s, demo_options, kernel_ms, step_module,
-                            time_ms)
+from shared.anatomy import (before_after, copy_gb_per_s, demo_options, interpreter_off_cuda, kernel_arg_parser,
+                            kernel_ms, print_attention_backend, say_if_same_path, step_module, time_ms)
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
 
 
 def main() -> None:
-    parser = anatomy_arg_parser(__doc__)
-    parser.add_argument("--attention-backend", choices=["triton", "torch"], default=None,
-                        help="attention: the Triton kernels or step14_7's loop (default: triton on CUDA, torch "
-                             "elsewhere; triton on a CPU needs TRITON_INTERPRET=1 and is very slow)")
+    parser = kernel_arg_parser(__doc__)
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                   **demo_options(args))
         print_header("step17: flash decoding", llm)
-        backend = llm.model.attention_backend
-        print(f"attention backend: {backend} -> " + (
-            "decodes: flash decoding (kernels/decode.py: split kernel + merge kernel per layer, the split count "
-            "chosen each step); prefill chunks: step15's kernel" if backend == "triton" else
-            "every sequence through step14_7's loop (the kernels' reference math); "
-            + ("no CUDA device here" if llm.device.type != "cuda" else "as asked")))
+        print_attention_backend(llm, "decodes: flash decoding (kernels/decode.py: split kernel + merge kernel per layer, "
+                                     "the split count chosen each step); prefill chunks: step15's kernel")
         answer_question(llm, args)
         show_lesson(llm, args)
 
@@ -43,16 +35,13 @@ def main() -> None:
 def show_lesson(llm, args) -> None:
     show_flash_decoding(llm)
     before_after("step16", "step17", llm, args)
-    if llm.model.attention_backend != "triton":
-        print("Both engines ran the same per-sequence loop here, so the ratio is noise; the kernels' gain needs a "
-              "GPU (the chapter has the H200's figures).")
+    say_if_same_path(llm)
 
 
 def show_flash_decoding(llm) -> None:
     c = llm.model.config
     on_gpu = llm.device.type == "cuda"
-    if not on_gpu:  # the interpreter is chosen when a kernel is defined: set it before the first import
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    interpreter_off_cuda(llm)
     try:
         from .kernels.decode import choose_num_splits, flash_decode, paged_decode_v2
     except ImportError as error:
