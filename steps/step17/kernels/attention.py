@@ -133,8 +133,8 @@ def tile_config(max_query_len: int, head_dim: int, programs_per_128_rows: int, s
     else 64 (a 1,024-token prompt of 16 heads makes 128 programs of 128 rows, too few for 132 SMs). Short chunks
     and decodes: 16 rows, so that few rows are idle. Overridable per call (the benchmarks try others)."""
     if max_query_len >= 64 and programs_per_128_rows >= 2 * sms:
-        if head_dim >= 128:
-            return dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
+        if head_dim >= 128:  # three 64 KiB stages of K and V tiles in flight: 224 of the H200's 228 KiB per SM
+            return dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
         return dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
     if max_query_len >= 64:
         return dict(block_m=64, block_n=64, num_warps=4, num_stages=3)
