@@ -201,7 +201,7 @@ class CausalLM:
             out = paged_attention(q[f.token_start:], k_cache, v_cache, f.block_tables, f.cu_seqlens_q, f.seq_lens_k,
                                   c.head_dim ** -0.5, f.max_query_len)
             outputs.append(out.reshape(-1, c.num_heads * c.head_dim))
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # a step of decodes only: no copy
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # only decodes or only chunks: no copy
         return out @ self.w[p + "o_proj.weight"].T  # [N, hidden]
 
     def mlp(self, x: torch.Tensor, layer: int) -> torch.Tensor:
