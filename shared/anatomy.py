@@ -196,13 +196,31 @@ def print_attention_backend(llm, kernels: str) -> None:
     print(f"attention backend: {backend} -> " + (kernels if backend == "triton" else torch_path))
 
 
-def interpreter_off_cuda(llm) -> None:
-    """Off CUDA the demos run their kernels in Triton's interpreter. It is chosen when a kernel is defined, so the
-    variable is set before the kernels are first imported."""
+def interpreter_off_cuda(args) -> None:
+    """Off CUDA the demos run their kernels in Triton's interpreter (TRITON_INTERPRET=1). Triton reads the switch
+    when `triton.language` is first imported, and the first load of the embedded model imports it (transformers
+    does, to convert the GGUF file), so this runs before the engine is built: call it first in main()."""
+    import os
+    import sys
+
+    from shared import resolve_device_dtype
+
+    device, _ = resolve_device_dtype(args.device, args.dtype)
+    if device.type == "cuda" or "TRITON_INTERPRET" in os.environ:
+        return
+    if "triton.language" in sys.modules:
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set: its kernels would not run in the "
+                           "interpreter; set TRITON_INTERPRET=1 before starting Python")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def kernels_cannot_run(llm) -> str | None:
+    """Why this run's kernel demo cannot run here (a CPU without the interpreter), or None."""
     import os
 
-    if llm.device.type != "cuda":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if llm.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "on a CPU Triton's kernels run only in its interpreter, and TRITON_INTERPRET is not 1"
+    return None
 
 
 def say_if_same_path(llm) -> None:

@@ -12,7 +12,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 import torch
 
 from shared.anatomy import (before_after, demo_options, interpreter_off_cuda, kernel_arg_parser, kernel_ms,
-                            print_attention_backend, say_if_same_path, time_ms)
+                            kernels_cannot_run, print_attention_backend, say_if_same_path, time_ms)
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -23,6 +23,7 @@ def main() -> None:
     parser = kernel_arg_parser(__doc__)
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
+        interpreter_off_cuda(args)  # before the model loads: loading it imports triton
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                   **demo_options(args))
         print_header("step15: flash attention", llm)
@@ -56,7 +57,9 @@ def show_kernel(llm) -> None:
     """One prompt's attention (one layer, the model's heads) through step14_7's loop, the kernel and SDPA."""
     c = llm.model.config
     on_gpu = llm.device.type == "cuda"
-    interpreter_off_cuda(llm)
+    if kernels_cannot_run(llm):
+        print(f"\nthe kernels do not run here: {kernels_cannot_run(llm)}")
+        return
     try:
         from .kernels.attention import attention_reference, paged_attention
     except ImportError as error:

@@ -13,7 +13,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 import torch
 
 from shared.anatomy import (before_after, copy_gb_per_s, demo_options, interpreter_off_cuda, kernel_arg_parser,
-                            kernel_ms, print_attention_backend, say_if_same_path, time_ms)
+                            kernel_ms, kernels_cannot_run, print_attention_backend, say_if_same_path, time_ms)
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -24,6 +24,7 @@ def main() -> None:
     parser = kernel_arg_parser(__doc__)
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
+        interpreter_off_cuda(args)  # before the model loads: loading it imports triton
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                   **demo_options(args))
         print_header("step16: paged attention", llm)
@@ -57,7 +58,9 @@ def paged_decodes(llm, batch: int, context: int, block_size: int = 16, seed: int
 def show_decode_kernels(llm) -> None:
     c = llm.model.config
     on_gpu = llm.device.type == "cuda"
-    interpreter_off_cuda(llm)
+    if kernels_cannot_run(llm):
+        print(f"\nthe kernels do not run here: {kernels_cannot_run(llm)}")
+        return
     try:
         from .kernels.decode import decode_reference, paged_decode_v1, paged_decode_v2
     except ImportError as error:

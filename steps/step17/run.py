@@ -13,7 +13,8 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 import torch
 
 from shared.anatomy import (before_after, copy_gb_per_s, demo_options, interpreter_off_cuda, kernel_arg_parser,
-                            kernel_ms, print_attention_backend, say_if_same_path, step_module, time_ms)
+                            kernel_ms, kernels_cannot_run, print_attention_backend, say_if_same_path, step_module,
+                            time_ms)
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -23,6 +24,7 @@ def main() -> None:
     parser = kernel_arg_parser(__doc__)
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
+        interpreter_off_cuda(args)  # before the model loads: loading it imports triton
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                   **demo_options(args))
         print_header("step17: flash decoding", llm)
@@ -41,7 +43,9 @@ def show_lesson(llm, args) -> None:
 def show_flash_decoding(llm) -> None:
     c = llm.model.config
     on_gpu = llm.device.type == "cuda"
-    interpreter_off_cuda(llm)
+    if kernels_cannot_run(llm):
+        print(f"\nthe kernels do not run here: {kernels_cannot_run(llm)}")
+        return
     try:
         from .kernels.decode import choose_num_splits, flash_decode, paged_decode_v2
     except ImportError as error:
@@ -63,9 +67,9 @@ def show_flash_decoding(llm) -> None:
     sms = torch.cuda.get_device_properties(llm.device).multi_processor_count if on_gpu else 132
     chosen = choose_num_splits(1, c.num_kv_heads, context, num_sms=sms)
     kv_bytes = 2 * context * c.num_kv_heads * c.head_dim * k.element_size()
-    copy = copy_gb_per_s(llm.device, 1024 if on_gpu else 64)
-    rows = [["copy bandwidth (read + write)", "-", "-", "-", f"{copy:.0f}", "100%", ""]]
     if on_gpu:
+        copy = copy_gb_per_s(llm.device, 1024)
+        rows = [["copy bandwidth (read + write)", "-", "-", "-", f"{copy:.0f}", "100%", ""]]
         cases = [("step16 v2: one program per KV head", c.num_kv_heads,
                   lambda: paged_decode_v2(q, k, v, tables, lens, scale))]
         for n in sorted({1, 4, 16, chosen, 64}):
@@ -77,22 +81,25 @@ def show_flash_decoding(llm) -> None:
             v2_gpu = v2_gpu or gpu
             rows.append([label, programs, f"{ms:.4f}", f"{gpu:.4f}", f"{kv_bytes / gpu / 1e6:.0f}",
                          f"{100 * kv_bytes / gpu / 1e6 / copy:.0f}%", f"{v2_gpu / gpu:.2f}x"])
-    print(f"\nOne decode of {context} tokens of context, one layer ({kv_bytes / 2**20:.1f} MiB of K/V; the rule picks "
-          f"{chosen} splits for {sms} SMs; median of repeated calls, {llm.device}; GB/s and speed-up from the kernels' "
-          f"own time):")
-    print(format_table(["how", "programs", "ms per call", "kernels alone ms", "GB/s of K/V", "of copy bandwidth",
-                        "vs v2"], rows))
+    gpu_name = f"{sms} SMs" if on_gpu else f"{sms} SMs (an H200's count: this machine has no GPU)"
     if on_gpu:
+        print(f"\nOne decode of {context} tokens of context, one layer ({kv_bytes / 2**20:.1f} MiB of K/V; the rule "
+              f"picks {chosen} splits for {gpu_name}; median of repeated calls, {llm.device}; GB/s and speed-up from "
+              f"the kernels' own time):")
+        print(format_table(["how", "programs", "ms per call", "kernels alone ms", "GB/s of K/V", "of copy bandwidth",
+                            "vs v2"], rows))
         print("\"ms per call\" is what a caller waits, Python and launches included: at batch 1 the kernels take a few "
               "microseconds and the launches dominate it (step21's CUDA graphs remove them); \"kernels alone\" is the "
               "GPU's time in the kernels (CUDA profiler).")
-    if not on_gpu:
-        print("On a CPU the kernels run only in Triton's interpreter (correct, and far too slow to time): the "
-              "timings need a GPU.")
+    else:
+        print(f"\nNot timed here: on a CPU the kernels run only in Triton's interpreter (correct, as checked above, "
+              f"and far too slow to time). On a GPU this run times v2 against flash decoding with 1, 4, 16 and 64 "
+              f"splits on one decode of 32768 tokens, in GB/s against the device's copy bandwidth; the chapter "
+              "has the H200's table.")
     picks = [[batch, context, batch * c.num_kv_heads, choose_num_splits(batch, c.num_kv_heads, context, num_sms=sms)]
              for batch, context in ((1, 1024), (1, 32768), (4, 32768), (16, 4096), (64, 2048))]
-    print(f"\nWhat choose_num_splits picks for this model ({c.num_kv_heads} KV heads) on {sms} SMs: about two programs "
-          f"per SM, never a part shorter than 256 tokens:")
+    print(f"\nWhat choose_num_splits picks for this model ({c.num_kv_heads} KV heads) on {gpu_name}: about two "
+          f"programs per SM, never a part shorter than 256 tokens:")
     print(format_table(["batch", "context", "programs without a split", "splits"], picks))
 
 
