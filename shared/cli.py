@@ -102,6 +102,16 @@ def per_token_ms(token_times: list[float], arrival_time: float) -> list[float]:
     return [(b - a) * 1000 for a, b in zip(times, times[1:])]
 
 
+def runs_differ(a: list[float], b: list[float]) -> bool:
+    """Whether two sets of repeated measurements differ by more than their run-to-run noise: every run of one
+    side is above every run of the other (the runs do not overlap). With one run each this is always True, so
+    lessons measure at least REPEATS runs before they word a conclusion."""
+    return min(a) > max(b) or max(a) < min(b)
+
+
+REPEATS = 3  # runs of a timed lesson figure: the median is printed, and a ratio is called clear only by runs_differ
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text.rstrip("x%"))
