@@ -4,8 +4,11 @@
     python run_all.py --bench    one fixed workload through every step's LLM: tokens/s, time to first
                                  token, peak memory, relative to step01 and to the previous step
 
-    python run_all.py --bench --hf    the same, plus HF transformers `generate` on the same workload, weights,
-                                 device and dtype: its row comes first, and every step gets a "vs HF" ratio
+    python run_all.py --bench --hf    the same, plus HF transformers on the same workload, weights, device and
+                                 dtype: `--hf` or `--hf generate` its padded `generate` (one left-padded batch),
+                                 `--hf cb` its continuous batching (a request added per request, each with its
+                                 own max_new_tokens), `--hf both` the two. HF's rows come first, and every row
+                                 gets one "vs HF ..." ratio per baseline
 
 Both take --model/--device/--dtype (passed to every step) and --steps to pick some steps
 (`--steps step03 step09` or `--steps step03,step09`). Each step's progress is printed as it runs.
@@ -73,7 +76,7 @@ def run_scripts(steps: list[str], args) -> int:
 
 
 def bench_one(what: list[str], label: str, args) -> dict | None:
-    """One `python -m shared.bench` process (`--step stepNN` or `--hf`) -> its result, or None if it failed."""
+    """One `python -m shared.bench` process (`--step stepNN` or `--hf generate|cb`) -> its result, or None if it failed."""
     cmd = [sys.executable, "-m", "shared.bench", *what, "--workload", args.workload,
            "--max-tokens", str(args.max_tokens), *passthrough_args(args)]
     if args.repeat:
@@ -93,23 +96,29 @@ def bench_one(what: list[str], label: str, args) -> dict | None:
     return r
 
 
+HF_CHOICES = {"generate": ["generate"], "cb": ["cb"], "both": ["generate", "cb"]}  # --hf X -> shared.bench --hf ...
+HF_COLUMNS = {"hf": "vs HF generate", "hf-cb": "vs HF cb"}  # a baseline's "step" key -> its ratio column
+
+
+def vs_key(hf: dict) -> str:
+    """The key of the ratio to one HF baseline in every row: "vs_hf" (generate), "vs_hf_cb" (continuous batching)."""
+    return "vs_" + hf["step"].replace("-", "_")
+
+
 def run_bench(steps: list[str], args) -> int:
     jobs = [(["--step", step], step) for step in steps]
-    if args.hf:  # HF first: the baseline every step is compared with
-        jobs.insert(0, (["--hf"], "HF transformers"))
-    hf, results = None, []
+    # HF first: the baselines every step is compared with
+    jobs[:0] = [(["--hf", which], f"HF transformers {which}") for which in HF_CHOICES.get(args.hf, [])]
+    hfs, results = [], []
     for i, (what, label) in enumerate(jobs, 1):
         print(f"[{i}/{len(jobs)}] benchmarking {label} ({args.workload} workload) ...", flush=True)
         r = bench_one(what, label, args)
         if r is None:
             return 1
-        if r["step"] == "hf":
-            hf = r
-        else:
-            results.append(r)
-    if hf:
-        for r in results:
-            r["vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]  # this step's tokens/s over HF's, same workload
+        (hfs if r["step"] in HF_COLUMNS else results).append(r)
+    for hf in hfs:
+        for r in hfs + results:  # this row's tokens/s over the baseline's, same workload
+            r[vs_key(hf)] = r["tokens_per_s"] / hf["tokens_per_s"]
     first = results[0]
     shape = {"standard": f"{first['requests']} requests x {args.max_tokens} new tokens",
              "single": f"1 request (batch 1) x {args.max_tokens} new tokens",
@@ -119,20 +128,25 @@ def run_bench(steps: list[str], args) -> int:
     print(f"\nworkload: {args.workload}, {shape}, greedy; "
           f"model {first['model']}, device {first['device']}, dtype {first['dtype']}; "
           f"median of {first['repeat']} run(s)")
-    if hf:
-        print(f"HF transformers: {hf['backend']}; max_new_tokens={hf['max_new_tokens']}, counting only the tokens "
-              f"each request asked for ({hf['generated_tokens']} of {hf['padded_generated_tokens']} generated); "
-              "TTFT = first token of the whole batch")
-    headers = ["step", "tokens/s", f"vs {first['step']}", "vs prev"] + (["vs HF"] if hf else []) + \
-        ["TTFT median ms", f"peak MiB ({first['peak_memory_kind']})"]
+    for hf in hfs:
+        if hf["step"] == "hf":
+            print(f"{hf['label']}: {hf['backend']}; max_new_tokens={hf['max_new_tokens']}, counting only the tokens "
+                  f"each request asked for ({hf['generated_tokens']} of {hf['padded_generated_tokens']} generated); "
+                  "TTFT = first token of the whole batch")
+        else:
+            print(f"{hf['label']}: {hf['backend']}; each request its own max_new_tokens ({hf['generated_tokens']} "
+                  "tokens); TTFT = each request's first token, median")
+    headers = (["step", "tokens/s", f"vs {first['step']}", "vs prev"] + [HF_COLUMNS[hf["step"]] for hf in hfs]
+               + ["TTFT median ms", f"peak MiB ({first['peak_memory_kind']})"])
     rows, prev = [], None
-    if hf:
-        rows.append([hf["label"], f"{hf['tokens_per_s']:.1f}", "-", "-", "1.00x",
-                     f"{hf['ttft_median_ms']:.0f}", f"{hf['peak_memory_mb']:.0f}"])
+    for hf in hfs:
+        rows.append([hf["label"], f"{hf['tokens_per_s']:.1f}", "-", "-"]
+                    + [f"{hf[vs_key(base)]:.2f}x" for base in hfs]
+                    + [f"{hf['ttft_median_ms']:.0f}", f"{hf['peak_memory_mb']:.0f}"])
     for r in results:
         rows.append([r["step"], f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x",
                      f"{r['tokens_per_s'] / prev['tokens_per_s']:.2f}x" if prev else "-"]
-                    + ([f"{r['vs_hf']:.2f}x"] if hf else [])
+                    + [f"{r[vs_key(hf)]:.2f}x" for hf in hfs]
                     + [f"{r['ttft_median_ms']:.0f}", f"{r['peak_memory_mb']:.0f}"])
         prev = r
     print(format_table(headers, rows))
@@ -141,7 +155,7 @@ def run_bench(steps: list[str], args) -> int:
               f"({first['weight_mb']:.0f} MiB of weights read per token at {first['bandwidth_gbs']:.0f} GB/s measured)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(([hf] if hf else []) + results, indent=2))
+        Path(args.json).write_text(json.dumps(hfs + results, indent=2))
         print(f"results written to {args.json}")
     return 0
 
@@ -165,9 +179,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128, help="benchmark: new tokens per request")
     parser.add_argument("--repeat", type=int, default=None, help="benchmark: runs per step (default: 3 on cuda, 1 on cpu)")
     parser.add_argument("--json", default=None, help="benchmark: also write the results to this JSON file")
-    parser.add_argument("--hf", action="store_true",
-                        help="benchmark: also run the workload through HF transformers generate (one padded batch) "
-                             "and report every step as a ratio to it")
+    parser.add_argument("--hf", nargs="?", const="generate", default=None, choices=sorted(HF_CHOICES),
+                        help="benchmark: also run the workload through HF transformers and report every step as a "
+                             "ratio to it: generate (the default of a bare --hf: one left-padded batch through "
+                             "model.generate), cb (its continuous batching manager, each request added with its own "
+                             "max_new_tokens) or both (two baselines, one \"vs HF\" column each)")
     args = parser.parse_args(argv)
     if args.hf and not args.bench:
         parser.error("argument --hf: only with --bench (it adds HF transformers to the benchmark table)")

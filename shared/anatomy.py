@@ -199,19 +199,27 @@ def print_attention_backend(llm, kernels: str) -> None:
 def interpreter_off_cuda(args) -> None:
     """Off CUDA the demos run their kernels in Triton's interpreter (TRITON_INTERPRET=1). Triton reads the switch
     when `triton.language` is first imported, and the first load of the embedded model imports it (transformers
-    does, to convert the GGUF file), so this runs before the engine is built: call it first in main()."""
+    does, to convert the GGUF file), so this runs before the engine is built: call it first in main().
+    It also refuses, before anything loads, what the interpreter cannot compute: bfloat16 (it multiplies the raw
+    bits), which the demos' kernels would turn into garbage after the model has loaded and answered."""
     import os
     import sys
 
+    import torch
+
     from shared import resolve_device_dtype
 
-    device, _ = resolve_device_dtype(args.device, args.dtype)
-    if device.type == "cuda" or "TRITON_INTERPRET" in os.environ:
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    if device.type == "cuda":
         return
-    if "triton.language" in sys.modules:
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set: its kernels would not run in the "
-                           "interpreter; set TRITON_INTERPRET=1 before starting Python")
-    os.environ["TRITON_INTERPRET"] = "1"
+    if "TRITON_INTERPRET" not in os.environ:
+        if "triton.language" in sys.modules:
+            raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set: its kernels would not run in "
+                               "the interpreter; set TRITON_INTERPRET=1 before starting Python")
+        os.environ["TRITON_INTERPRET"] = "1"
+    if dtype == torch.bfloat16 and os.environ["TRITON_INTERPRET"] == "1":
+        raise ValueError(f"argument --dtype: bfloat16 on {device.type}: the kernels run in Triton's interpreter "
+                         "here, which computes bfloat16 wrongly; use float32 (the default off CUDA) or float16")
 
 
 def kernels_cannot_run(llm) -> str | None:

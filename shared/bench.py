@@ -1,7 +1,8 @@
 """The benchmark harness: one fixed workload through one step's LLM, measured the same way for every step.
 
     python -m shared.bench --step step03 [--model M] [--device D] [--dtype T] [--workload standard]
-    python -m shared.bench --hf [...]      the same workload through HF transformers `generate` (the baseline)
+    python -m shared.bench --hf [...]      the same workload through HF transformers `generate` (one padded batch)
+    python -m shared.bench --hf cb [...]   ... through HF transformers' continuous batching (add_request per request)
 
 prints one JSON line: tokens/s, time to first token (median over requests), peak memory, wall time.
 run_all.py --bench runs this once per step, each in a fresh process, so peak memory is per step.
@@ -172,7 +173,13 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
 
 # ---- HF transformers beside the steps (`--hf`) --------------------------------------------------------------
 
-HF_LABEL = "HF transformers"
+# The HF baselines (`--hf NAME`): NAME -> the result's "step" key and its label in tables.
+HF_BASELINES = {
+    "generate": ("hf", "HF transformers generate (padded)"),  # one left-padded batch through model.generate
+    "cb": ("hf-cb", "HF transformers continuous batching"),  # model.init_continuous_batching's manager
+}
+HF_LABEL = HF_BASELINES["generate"][1]
+HF_CB_LABEL = HF_BASELINES["cb"][1]
 
 
 def hf_counted_tokens(new_ids: list[int], sp: SamplingParams, eos_token_ids: set[int]) -> int:
@@ -216,6 +223,24 @@ def _load_hf_model(model_dir: Path, device, dtype):
     return model
 
 
+def _hf_setup(label: str, model: str, device, dtype, workload: str, max_tokens: int):
+    """What both HF baselines start with: the steps' device and dtype, HF's model on the folder the steps load,
+    the workload as token ids and checked SamplingParams (one per request)."""
+    import transformers
+
+    from shared import Tokenizer, normalize_prompts, normalize_sampling_params, resolve_device_dtype, resolve_model
+
+    device, dtype = resolve_device_dtype(device, dtype)
+    model_dir = resolve_model(model)
+    _progress(f"{label}: loading {model} with AutoModelForCausalLM ({transformers.__version__}) ...")
+    hf_model = _load_hf_model(model_dir, device, dtype)
+    tokenizer = Tokenizer(model_dir)
+    prompts, params = WORKLOADS[workload](tokenizer, max_tokens)
+    prompt_ids = [ids for _, ids in normalize_prompts(prompts, tokenizer, hf_model.config.vocab_size)]
+    params = normalize_sampling_params(params, len(prompt_ids), SamplingParams(temperature=0))
+    return device, dtype, hf_model, tokenizer, prompt_ids, params
+
+
 def run_hf_bench(model: str, device=None, dtype=None, workload: str = "standard", max_tokens: int = 128,
                  repeat: int | None = None) -> dict:
     """The same workload through HF transformers `generate`, served as a user would: all requests in one
@@ -224,8 +249,6 @@ def run_hf_bench(model: str, device=None, dtype=None, workload: str = "standard"
     import torch
     import transformers
     from transformers.generation.streamers import BaseStreamer
-
-    from shared import Tokenizer, normalize_prompts, normalize_sampling_params, resolve_device_dtype, resolve_model
 
     class FirstTokenClock(BaseStreamer):
         """TTFT of the padded batch: generate() puts the prompt ids first ([batch, length]), then each step's
@@ -242,14 +265,8 @@ def run_hf_bench(model: str, device=None, dtype=None, workload: str = "standard"
         def end(self):
             pass
 
-    device, dtype = resolve_device_dtype(device, dtype)
-    model_dir = resolve_model(model)
-    _progress(f"{HF_LABEL}: loading {model} with AutoModelForCausalLM ({transformers.__version__}) ...")
-    hf_model = _load_hf_model(model_dir, device, dtype)
-    tokenizer = Tokenizer(model_dir)
-    prompts, params = WORKLOADS[workload](tokenizer, max_tokens)
-    prompt_ids = [ids for _, ids in normalize_prompts(prompts, tokenizer, hf_model.config.vocab_size)]
-    params = normalize_sampling_params(params, len(prompt_ids), SamplingParams(temperature=0))
+    device, dtype, hf_model, tokenizer, prompt_ids, params = _hf_setup(HF_LABEL, model, device, dtype, workload,
+                                                                        max_tokens)
     stop_ids = _hf_stop_ids(params, tokenizer.eos_token_ids)
     max_new = max(sp.max_tokens for sp in params)
     width = max(len(ids) for ids in prompt_ids)
@@ -310,11 +327,134 @@ def run_hf_bench(model: str, device=None, dtype=None, workload: str = "standard"
     )
 
 
+def _hf_cb_stop_ids(sp: SamplingParams, eos_token_ids: set[int]) -> list[int] | int:
+    """The token ids at which HF's continuous batching ends one request (its own rule: each request is added
+    alone), or -1 (none: the request runs to its max_new_tokens). Greedy without stop strings only: the manager
+    has no stop strings, and sampling would not give tokens comparable with the steps'."""
+    if sp.temperature != 0 or sp.stop:
+        raise ValueError("--hf cb: the HF baseline runs greedy without stop strings; this workload samples or uses "
+                         "stop strings")
+    ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos_token_ids)
+    return sorted(ids) or -1  # -1: no EOS (add_request would otherwise take the generation config's)
+
+
+def _hf_cb_cpu_config(prompt_ids: list[list[int]], params: list[SamplingParams]):
+    """On a CPU HF sizes its KV cache from the machine's RAM (60% of it in 5.24, 90% in 5.17): here the cache
+    holds every request at once (blocks of 256 tokens, the default of both versions), and a batch takes at most
+    2,048 tokens. On a GPU HF's own defaults are used, as a user would."""
+    from transformers import ContinuousBatchingConfig
+
+    block = 256
+    blocks = sum(math.ceil((len(ids) + sp.max_tokens) / block) for ids, sp in zip(prompt_ids, params))
+    return ContinuousBatchingConfig(num_blocks=blocks + 1, max_batch_tokens=2048)
+
+
+def run_hf_cb_bench(model: str, device=None, dtype=None, workload: str = "standard", max_tokens: int = 128,
+                    repeat: int | None = None) -> dict:
+    """The same workload through HF transformers' continuous batching, served as a user would serve many
+    requests: the model's `continuous_batching_context_manager` (the manager of `init_continuous_batching`,
+    which `generate_batch` also uses), every request added with `add_request` and its own max_new_tokens and
+    stop ids, results read with `get_result`. Greedy. The manager starts once (with its warm-up) and serves the
+    warm-up request and the `repeat` timed runs, like a server; the median run is reported.
+    TTFT per request: its first token's timestamp (record_timestamps) minus the moment the requests were added."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    device, dtype, hf_model, tokenizer, prompt_ids, params = _hf_setup(HF_CB_LABEL, model, device, dtype, workload,
+                                                                        max_tokens)
+    stop_ids = [_hf_cb_stop_ids(sp, tokenizer.eos_token_ids) for sp in params]
+    context = getattr(hf_model.config, "max_position_embeddings", None)
+    for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
+        if context is not None and len(ids) + sp.max_tokens > context:
+            raise ValueError(f"--hf cb: request {i} ({len(ids)} prompt tokens + {sp.max_tokens} new) exceeds the "
+                             f"model's context of {context} tokens")
+    if not hasattr(hf_model, "continuous_batching_context_manager"):
+        raise ValueError(f"--hf cb: transformers {transformers.__version__} has no continuous batching "
+                         "(init_continuous_batching); it needs transformers 5")
+    max_new = max(sp.max_tokens for sp in params)
+    pad_id = tokenizer.hf.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.hf.eos_token_id if tokenizer.hf.eos_token_id is not None else min(tokenizer.eos_token_ids)
+    generation_config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new, pad_token_id=pad_id,
+                                         eos_token_id=sorted(tokenizer.eos_token_ids))
+    cb_config = _hf_cb_cpu_config(prompt_ids, params) if device.type == "cpu" else None
+    hints = WorkloadHints(max_prompt_length=max(len(ids) for ids in prompt_ids), max_generated_length=max_new,
+                          num_requests=len(prompt_ids))  # what generate_batch tells the manager
+    if repeat is None:
+        repeat = 3 if device.type == "cuda" else 1
+
+    def serve(manager, run: str, batch: list[list[int]], batch_params: list[SamplingParams], batch_stops: list):
+        """Add every request now; wait for all -> (the moment they were added, outputs in request order)."""
+        start = time.perf_counter()
+        ids = [manager.add_request(ids, request_id=f"{run}-{i}", max_new_tokens=sp.max_tokens, eos_token_id=stop,
+                                   record_timestamps=True)
+               for i, (ids, sp, stop) in enumerate(zip(batch, batch_params, batch_stops))]
+        if None in ids:
+            raise RuntimeError("--hf cb: the manager refused a request (see its warning above)")
+        done = {}
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError(f"--hf cb: HF's generation loop stopped with {len(ids) - len(done)} requests "
+                                       "unfinished (its error is logged above)")
+                continue
+            if result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"--hf cb: request {result.request_id} failed: {result.error}")
+                done[result.request_id] = result
+        return start, [done[i] for i in ids]
+
+    _progress(f"{HF_CB_LABEL}: starting the manager (with its warm-up), a warm-up request, then {repeat} run(s) of "
+              f"{len(prompt_ids)} requests, each with its own max_new_tokens, on {device} ...")
+    runs = []
+    with torch.no_grad(), hf_model.continuous_batching_context_manager(
+            generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=hints) as manager:
+        serve(manager, "warm-up", prompt_ids[:1], [SamplingParams(temperature=0, max_tokens=2)], [-1])  # as run_bench
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        attention = hf_model.config._attn_implementation  # the one the manager switched to
+        cache = manager.batch_processor.cache
+        for k in range(repeat):
+            start, outputs = serve(manager, f"run{k}", prompt_ids, params, stop_ids)
+            counts = [hf_counted_tokens(o.generated_tokens, sp, tokenizer.eos_token_ids) for o, sp in zip(outputs, params)]
+            tokenizer.hf.batch_decode([o.generated_tokens[:n] for o, n in zip(outputs, counts)], skip_special_tokens=True)
+            wall = time.perf_counter() - start  # as the steps' generate(), which returns decoded text too
+            for o, sp, n in zip(outputs, params, counts):
+                if len(o.generated_tokens) != n or (sp.ignore_eos and not sp.stop_token_ids and n != sp.max_tokens):
+                    raise RuntimeError(f"--hf cb: request {o.request_id} generated {len(o.generated_tokens)} tokens; "
+                                       f"the steps' rule counts {n} (max_tokens {sp.max_tokens})")
+            generated = sum(counts)
+            ttft = statistics.median(o.timestamps[0] - start for o in outputs)
+            runs.append((generated / wall, wall, ttft))
+            _progress(f"{HF_CB_LABEL}: run {len(runs)}/{repeat}: {generated} tokens in {wall:.1f} s = "
+                      f"{generated / wall:.1f} tokens/s")
+    tokens_per_s, wall, ttft = sorted(runs)[len(runs) // 2]  # the median run by throughput
+    peak_mb, peak_kind = _peak_memory(device)
+    sized = "sized for this workload (CPU)" if cb_config is not None else "HF's default sizing"
+    step, label = HF_BASELINES["cb"]
+    return dict(
+        step=step, label=label, model=model, device=str(device), dtype=str(dtype).replace("torch.", ""),
+        backend=f"transformers {transformers.__version__} continuous batching (init_continuous_batching manager), "
+                f"{attention} attention, paged KV cache: {getattr(cache, 'num_blocks', '?')} blocks, "
+                f"max_batch_tokens {getattr(cache, 'max_batch_tokens', '?')}, {sized}",
+        workload=workload, requests=len(prompt_ids), generated_tokens=generated, max_new_tokens=max_new,
+        repeat=repeat, wall_s=wall, tokens_per_s=tokens_per_s, ttft_median_ms=ttft * 1000,
+        ttft_method="per request: its first token's timestamp minus the moment all requests were added",
+        peak_memory_mb=peak_mb, peak_memory_kind=peak_kind,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--step", help="the step to measure, e.g. step03")
-    which.add_argument("--hf", action="store_true", help="measure HF transformers generate on the same workload instead")
+    which.add_argument("--hf", nargs="?", const="generate", choices=sorted(HF_BASELINES), metavar="{generate,cb}",
+                       help="measure an HF transformers baseline on the same workload instead: generate (the default: "
+                            "one left-padded batch through model.generate) or cb (its continuous batching manager)")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
@@ -329,8 +469,9 @@ def main() -> None:
         if value is not None and value < 1:
             parser.error(f"argument {flag}: must be at least 1, got {value}")
     if args.hf and args.max_num_seqs:
-        parser.error("--max-num-seqs is an engine option: HF generate serves the workload as one padded batch")
-    bench = run_hf_bench if args.hf else functools.partial(run_bench, args.step, max_num_seqs=args.max_num_seqs)
+        parser.error("--max-num-seqs is an engine option: HF's baselines are served with HF's own batching")
+    hf_benches = {"generate": run_hf_bench, "cb": run_hf_cb_bench}
+    bench = hf_benches[args.hf] if args.hf else functools.partial(run_bench, args.step, max_num_seqs=args.max_num_seqs)
     try:
         result = bench(args.model, args.device, args.dtype, args.workload, args.max_tokens, args.repeat)
     except ValueError as e:  # bad input (model, device, dtype, a workload HF cannot serve): one line, no traceback

@@ -34,6 +34,14 @@ def int_at_least(minimum: int):
     return parse
 
 
+def question(text: str) -> str:
+    """An argparse type: a question with something in it. The chat template would wrap an empty or blank --prompt
+    into a valid prompt, and the model would answer a question nobody asked."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be a question, got {text!r}")
+    return text
+
+
 def step_arg_parser(description: str, lesson_tokens: int, lesson_tokens_min: int = 1) -> argparse.ArgumentParser:
     """The options every step takes. --max-tokens is the answer's length; --lesson-tokens the figure's work."""
     parser = argparse.ArgumentParser(description=description)
@@ -41,7 +49,8 @@ def step_arg_parser(description: str, lesson_tokens: int, lesson_tokens_min: int
                         help="smollm2-135m (embedded), random:<shape> or a local folder (default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on cuda, fp32 on cpu)")
-    parser.add_argument("--prompt", default=DEFAULT_QUESTION, help="the user's question (default: %(default)r)")
+    parser.add_argument("--prompt", type=question, default=DEFAULT_QUESTION,
+                        help="the user's question, not empty (default: %(default)r)")
     parser.add_argument("--max-tokens", type=int_at_least(1), default=ANSWER_MAX_TOKENS,
                         help="at most this many tokens in the answer to --prompt (default: %(default)s)")
     parser.add_argument("--lesson-tokens", type=int_at_least(lesson_tokens_min), default=lesson_tokens,
@@ -91,6 +100,16 @@ def per_token_ms(token_times: list[float], arrival_time: float) -> list[float]:
     """Milliseconds spent on each generated token (the first includes the prompt's processing)."""
     times = [arrival_time] + list(token_times)
     return [(b - a) * 1000 for a, b in zip(times, times[1:])]
+
+
+def runs_differ(a: list[float], b: list[float]) -> bool:
+    """Whether two sets of repeated measurements differ by more than their run-to-run noise: every run of one
+    side is above every run of the other (the runs do not overlap). With one run each this is always True, so
+    lessons measure at least REPEATS runs before they word a conclusion."""
+    return min(a) > max(b) or max(a) < min(b)
+
+
+REPEATS = 3  # runs of a timed lesson figure: the median is printed, and a ratio is called clear only by runs_differ
 
 
 def _is_number(text: str) -> bool:

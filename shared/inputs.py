@@ -35,6 +35,40 @@ def resolve_device_dtype(device=None, dtype=None):
     return device, dtype
 
 
+def check_engine_options(may_be_none: tuple[str, ...] = (), **options) -> None:
+    """An engine's sizes and switches (the LLM's keyword arguments since step05), checked before anything loads.
+    Only the options given are checked, each with a ValueError that names it and its limit:
+
+        max_num_seqs, max_num_batched_tokens, max_kv_tokens   integers >= 1
+        gpu_memory_utilization                                a number in (0, 1]
+        block_size                                            an integer in [1, max_kv_tokens]
+        enable_prefix_caching                                 True or False
+
+    may_be_none names the options that may be None (max_kv_tokens from step11: the pool is then sized from the
+    GPU's free memory, and block_size can only be bounded by 2**20 tokens)."""
+    def is_int(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if name in options and (not is_int(options[name]) or options[name] < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {options[name]!r}")
+    if "gpu_memory_utilization" in options:
+        share = options["gpu_memory_utilization"]
+        if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {share!r}")
+    kv_tokens = options.get("max_kv_tokens")
+    if "max_kv_tokens" in options and not (kv_tokens is None and "max_kv_tokens" in may_be_none):
+        if not is_int(kv_tokens) or kv_tokens < 1:
+            what = "None or an integer" if "max_kv_tokens" in may_be_none else "an integer"
+            raise ValueError(f"max_kv_tokens must be {what} >= 1, got {kv_tokens!r}")
+    if "block_size" in options:
+        block_size, largest = options["block_size"], kv_tokens or 2**20
+        if not is_int(block_size) or not 1 <= block_size <= largest:
+            raise ValueError(f"block_size must be an integer in [1, max_kv_tokens={kv_tokens}], got {block_size!r}")
+    if "enable_prefix_caching" in options and not isinstance(options["enable_prefix_caching"], bool):
+        raise ValueError(f"enable_prefix_caching must be True or False, got {options['enable_prefix_caching']!r}")
+
+
 def normalize_prompts(prompts, tokenizer, vocab_size: int) -> list[tuple[str | None, list[int]]]:
     """Strings or lists of token ids (or one of either) -> [(prompt text or None, token ids)]."""
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

@@ -149,7 +149,8 @@ def test_run_all_bench_hf(tmp_path):
                "--max-tokens", "8", "--json", str(out), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     hf, *steps = json.loads(out.read_text())
-    assert hf["step"] == "hf" and hf["label"] == "HF transformers" and [r["step"] for r in steps] == ["step03", "step04"]
+    assert hf["step"] == "hf" and hf["label"] == "HF transformers generate (padded)"
+    assert [r["step"] for r in steps] == ["step03", "step04"]
     for key in ("model", "device", "dtype", "workload", "requests", "repeat"):  # the same workload, device and dtype
         assert {r[key] for r in steps} == {hf[key]}, key
     assert (hf["device"], hf["dtype"]) == ("cpu", "float32")
@@ -163,8 +164,8 @@ def test_run_all_bench_hf(tmp_path):
     header = lines[0]
     columns = [m.start() for m in re.finditer(r"-+", lines[1])]  # where each column starts, from the dashes
     cells = [[line[a:b].strip() for a, b in zip(columns, columns[1:] + [None])] for line in [header] + lines[2:5]]
-    vs_hf = cells[0].index("vs HF")
-    assert cells[1][:2] == ["HF transformers", f"{hf['tokens_per_s']:.1f}"] and cells[1][vs_hf] == "1.00x"
+    vs_hf = cells[0].index("vs HF generate")
+    assert cells[1][:2] == [hf["label"], f"{hf['tokens_per_s']:.1f}"] and cells[1][vs_hf] == "1.00x"
     for row, r in zip(cells[2:], steps):
         assert row[:2] == [r["step"], f"{r['tokens_per_s']:.1f}"]
         assert row[vs_hf] == f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x"

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-KEEP = ("tokens_per_s", "ttft_median_ms", "peak_memory_mb", "peak_memory_kind", "generated_tokens", "requests",
+KEEP = ("label", "tokens_per_s", "ttft_median_ms", "peak_memory_mb", "peak_memory_kind", "generated_tokens", "requests",
         "repeat", "wall_s", "backend", "device", "dtype", "roofline_tokens_per_s_batch1", "bandwidth_gbs", "weight_mb")
 
 

@@ -5,7 +5,8 @@
 
 Markers a page may use (each is replaced when the site is built):
     <!-- bench-table: cpu standard step01 step02 step03 -->       one device and workload: tokens/s, ratios,
-                                                                   time to first token, peak memory
+                                                                   time to first token, peak memory; a table
+                                                                   naming "hf" also shows "hf-cb" if measured
     <!-- bench-matrix: cpu:standard h200:standard | step03 step04 -->   tokens/s, one column per device:workload
     <!-- bench-source: cpu standard mixed -->                     where a device's numbers come from (commands, date)
     <!-- bench-value: cpu standard step03 tokens_per_s -->        one number inline (tokens_per_s, ttft_s,
@@ -97,20 +98,27 @@ def _html_table(header: list[str], rows: list[list[str]], cls: str = "bench") ->
 
 
 def bench_table(device: str, workload: str, *steps: str) -> str:
+    # HF's two baselines go together: a table that shows "hf" (generate, one padded batch) also shows "hf-cb" (its
+    # continuous batching) where that run measured it, in the row after it, with a column of ratios to it.
+    if "hf" in steps and "hf-cb" not in steps and _result(device, workload, "hf-cb") is not None:
+        steps = steps[:steps.index("hf") + 1] + ("hf-cb",) + steps[steps.index("hf") + 1:]
+    cb = _result(device, workload, "hf-cb") if "hf-cb" in steps else None
     rows, first, prev = [], None, None
     kind = ""
     for step in steps:
         r = _result(device, workload, step)
         if r is None:
-            rows.append([step, "not measured", "", "", "", ""])
+            rows.append([step, "not measured", "", ""] + ([""] if cb else []) + ["", ""])
             continue
         first = first or r
         kind = "RSS" if r["peak_memory_kind"] == "process RSS" else "allocated"
         rows.append([step, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x",
-                     f"{r['tokens_per_s'] / prev['tokens_per_s']:.2f}x" if prev else "-", _ttft(r),
-                     f"{r['peak_memory_mb']:.0f}"])
+                     f"{r['tokens_per_s'] / prev['tokens_per_s']:.2f}x" if prev else "-"]
+                    + ([f"{r['tokens_per_s'] / cb['tokens_per_s']:.2f}x"] if cb else [])
+                    + [_ttft(r), f"{r['peak_memory_mb']:.0f}"])
         prev = r
-    header = ["step", "tokens/s", f"vs {steps[0]}", "vs previous", "TTFT median", f"peak MiB ({kind})"]
+    header = (["step", "tokens/s", f"vs {steps[0]}", "vs previous"] + (["vs hf-cb"] if cb else [])
+              + ["TTFT median", f"peak MiB ({kind})"])
     return _html_table(header, rows) + "\n\n" + _caption(device, workload)
 
 

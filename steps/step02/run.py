@@ -37,7 +37,10 @@ def show_lesson(llm, args) -> None:
         o = llm.chat(story, sp)[0].outputs[0]
         rows.append([temperature, seed, o.finish_reason, repr(o.text.strip())[:70]])
     print(format_table(["temperature", "seed", "finish", "text"], rows))
-    print("(the two rows with temperature 1.5 and seed 1 are the same: a seed makes a sample repeatable)")
+    if rows[-1] == rows[-2]:
+        print("(the two rows with temperature 1.5 and seed 1 are the same: a seed makes a sample repeatable)")
+    else:
+        print("(the two rows with temperature 1.5 and seed 1 differ: the seeded sample did not repeat here)")
 
     # How many candidate tokens each filter leaves for the first token of the answer.
     prompt_ids = llm.tokenizer.apply_chat_template(story)

@@ -8,8 +8,8 @@ from typing import NamedTuple
 import torch
 
 from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, Tokenizer,
-                    check_conversations, check_length, normalize_prompts, normalize_sampling_params,
-                    resolve_device_dtype, resolve_model)
+                    check_conversations, check_engine_options, check_length, normalize_prompts,
+                    normalize_sampling_params, resolve_device_dtype, resolve_model)
 
 from .model import KVCache, Llama
 from .sampler import make_generator, sample
@@ -67,11 +67,7 @@ class Request:
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, device=None, dtype=None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512):
-        if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        if not isinstance(max_num_batched_tokens, int) or isinstance(max_num_batched_tokens, bool) \
-                or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
+        check_engine_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         self.model_name = str(model)
         model_dir = resolve_model(model)

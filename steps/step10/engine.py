@@ -8,8 +8,8 @@ from typing import NamedTuple
 import torch
 
 from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, Tokenizer,
-                    check_conversations, check_length, normalize_prompts, normalize_sampling_params,
-                    resolve_device_dtype, resolve_model)
+                    check_conversations, check_engine_options, check_length, normalize_prompts,
+                    normalize_sampling_params, resolve_device_dtype, resolve_model)
 
 from .block_manager import BlockManager
 from .model import CausalLM, KVPool
@@ -70,23 +70,15 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, device=None, dtype=None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, max_kv_tokens: int = 32768, block_size: int = 16,
                  enable_prefix_caching: bool = True):
-        if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        if not isinstance(max_num_batched_tokens, int) or isinstance(max_num_batched_tokens, bool) \
-                or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
-        if not isinstance(max_kv_tokens, int) or isinstance(max_kv_tokens, bool) or max_kv_tokens < 1:
-            raise ValueError(f"max_kv_tokens must be an integer >= 1, got {max_kv_tokens!r}")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= max_kv_tokens:
-            raise ValueError(f"block_size must be an integer in [1, max_kv_tokens={max_kv_tokens}], got {block_size!r}")
+        check_engine_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             max_kv_tokens=max_kv_tokens, block_size=block_size,
+                             enable_prefix_caching=enable_prefix_caching)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         self.model_name = str(model)
         model_dir = resolve_model(model)
         self.tokenizer = Tokenizer(model_dir)
         self.model = CausalLM.from_pretrained(model_dir, self.device, self.dtype)
         self.max_model_len = self.model.config.max_position_embeddings
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         self.backend = (f"plain PyTorch, {self.model.config.model_type} (fused qkv / gate-up), continuous batching + "
                         f"chunked prefill + preemption, paged KV (blocks of {block_size}), prefix caching "
                         f"{'on' if enable_prefix_caching else 'off'}")

@@ -19,7 +19,8 @@ import time
 import torch
 
 from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams, Tokenizer, check_conversations,
-                    check_length, normalize_prompts, normalize_sampling_params, resolve_device_dtype, resolve_model)
+                    check_engine_options, check_length, normalize_prompts, normalize_sampling_params,
+                    resolve_device_dtype, resolve_model)
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
@@ -45,23 +46,13 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, device=None, dtype=None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, max_kv_tokens: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9):
-        if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        if not isinstance(max_num_batched_tokens, int) or isinstance(max_num_batched_tokens, bool) \
-                or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
-        if not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool) \
-                or not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}")
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         if max_kv_tokens is None and self.device.type == "cpu":
             max_kv_tokens = CPU_DEFAULT_KV_TOKENS  # the CPU knob; on CUDA, None = size the pool from free memory
-        if max_kv_tokens is not None and (not isinstance(max_kv_tokens, int) or isinstance(max_kv_tokens, bool)
-                                          or max_kv_tokens < 1):
-            raise ValueError(f"max_kv_tokens must be None or an integer >= 1, got {max_kv_tokens!r}")
-        largest_block = max_kv_tokens or 2**20  # on CUDA the pool is sized later, in blocks of block_size
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= largest_block:
-            raise ValueError(f"block_size must be an integer in [1, max_kv_tokens={max_kv_tokens}], got {block_size!r}")
+        check_engine_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             gpu_memory_utilization=gpu_memory_utilization, max_kv_tokens=max_kv_tokens,
+                             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                             may_be_none=("max_kv_tokens",))
         self.model_name = str(model)
         model_dir = resolve_model(model)
         self.tokenizer = Tokenizer(model_dir)
@@ -70,8 +61,6 @@ class LLM:
         self.timers = PhaseTimers(self.device)  # where each step's time goes (timers.py)
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.timers, self.stats)
         self.max_model_len = self.model.config.max_position_embeddings
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         self.memory = self.runner.allocate_kv_cache(max_kv_tokens, block_size,
                                                     min(max_num_batched_tokens, self.max_model_len),
                                                     gpu_memory_utilization)

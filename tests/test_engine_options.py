@@ -1,0 +1,51 @@
+"""Every step's engine options are checked by one helper (shared.check_engine_options), before the model loads:
+a bad option fails at once with its own message, even when the model named could not be loaded at all."""
+import importlib
+import inspect
+
+import pytest
+
+from conftest import STEPS
+from shared import check_engine_options
+
+# option -> (a bad value, what the message says)
+BAD = {
+    "max_num_seqs": (0, "max_num_seqs must be an integer >= 1, got 0"),
+    "max_num_batched_tokens": (True, "max_num_batched_tokens must be an integer >= 1, got True"),
+    "gpu_memory_utilization": (1.5, r"gpu_memory_utilization must be a number in \(0, 1\], got 1.5"),
+    "max_kv_tokens": (-5, "max_kv_tokens must be (None or )?an integer >= 1, got -5"),
+    "block_size": (0, r"block_size must be an integer in \[1, max_kv_tokens=\d+\], got 0"),
+    "enable_prefix_caching": ("yes", "enable_prefix_caching must be True or False, got 'yes'"),
+}
+
+
+def engine_options(step: str) -> list[str]:
+    """The options of BAD that this step's LLM takes (a step has what its signature has)."""
+    LLM = importlib.import_module(f"steps.{step}.engine").LLM
+    return [name for name in inspect.signature(LLM).parameters if name in BAD]
+
+
+@pytest.mark.parametrize("step", [s for s in STEPS if engine_options(s)])
+def test_a_bad_option_fails_before_the_model_loads(step):
+    LLM = importlib.import_module(f"steps.{step}.engine").LLM
+    for name in engine_options(step):
+        value, message = BAD[name]
+        # An unknown model: had the engine resolved or loaded it first, the error would be about the model.
+        with pytest.raises(ValueError, match=message):
+            LLM("no-such-model", device="cpu", **{name: value})
+
+
+def test_the_helper_checks_only_what_it_is_given():
+    check_engine_options()
+    check_engine_options(max_num_seqs=1, max_num_batched_tokens=512, gpu_memory_utilization=1, max_kv_tokens=64,
+                         block_size=64, enable_prefix_caching=False)
+    check_engine_options(max_kv_tokens=None, block_size=2**20, may_be_none=("max_kv_tokens",))
+    with pytest.raises(ValueError, match="max_kv_tokens must be an integer >= 1, got None"):
+        check_engine_options(max_kv_tokens=None)  # None only where the step says the pool is sized later
+    with pytest.raises(ValueError, match=r"block_size must be an integer in \[1, max_kv_tokens=32\], got 64"):
+        check_engine_options(max_kv_tokens=32, block_size=64)
+    with pytest.raises(ValueError, match=r"block_size must be an integer in \[1, max_kv_tokens=None\], got 2097152"):
+        check_engine_options(max_kv_tokens=None, block_size=2**21, may_be_none=("max_kv_tokens",))
+    for bad in (0, float("nan"), "0.9", True):
+        with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in"):
+            check_engine_options(gpu_memory_utilization=bad)
