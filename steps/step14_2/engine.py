@@ -220,7 +220,7 @@ class LLM:
                 seq.cumulative_logprob += logprob
                 if seq.logprobs is not None:
                     seq.logprobs.append(top_logprobs(row, next_id, seq.params.logprobs))
-                seq.output_ids.append(next_id)
+                seq.append_token(next_id)
                 seq.metrics.token_times.append(now)
                 seq.metrics.first_token_time = seq.metrics.first_token_time or now
         with self.timers.phase("detokenize"):
