@@ -50,13 +50,17 @@ class Request:
     cache: KVCache | None = None  # allocated when the request starts running, freed when it finishes
     num_computed_tokens: int = 0  # tokens (prompt, then generated) whose K/V are in the cache
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self):
+        # prompt then output in one list, grown by append_token: read every step, so never rebuilt
+        self.token_ids: list[int] = self.prompt_ids + self.output_ids
+
+    def append_token(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
 
     def to_output(self) -> RequestOutput:
         completion = CompletionOutput(0, self.finish.text, self.output_ids, self.cumulative_logprob, self.logprobs,
@@ -199,7 +203,7 @@ class LLM:
         r.cumulative_logprob += float(token_logprobs[next_id])
         if r.logprobs is not None:
             r.logprobs.append(top_logprobs(token_logprobs, next_id, r.params.logprobs))
-        r.output_ids.append(next_id)
+        r.append_token(next_id)
         now = time.perf_counter()
         r.metrics.token_times.append(now)
         r.metrics.first_token_time = r.metrics.first_token_time or now

@@ -70,13 +70,17 @@ class Request:
     num_computed_tokens: int = 0  # tokens (prompt, then generated) whose K/V are in the pool
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block of block_table
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self):
+        # prompt then output in one list, grown by append_token: read every step, so never rebuilt
+        self.token_ids: list[int] = self.prompt_ids + self.output_ids
+
+    def append_token(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
 
     def to_output(self) -> RequestOutput:
         completion = CompletionOutput(0, self.finish.text, self.output_ids, self.cumulative_logprob, self.logprobs,
@@ -273,9 +277,9 @@ class LLM:
         stop strings are looked for only where new text could complete one: O(1) per token, not O(n)."""
         sp, last = r.params, r.output_ids[-1]
         if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
-            return Finish("stop", None, self.tokenizer.decode(r.output_ids[:-1]))  # one full decode, at the end
+            return Finish("stop", None, r.detokenizer.final_text())  # the stop token is not in the text
         if last in sp.stop_token_ids:
-            return Finish("stop", last, self.tokenizer.decode(r.output_ids[:-1]))
+            return Finish("stop", last, r.detokenizer.final_text())
         new = r.detokenizer.add(last)
         if new and sp.stop:
             text = r.detokenizer.text
@@ -287,7 +291,7 @@ class LLM:
                 cut, stop = min(hits)  # the earliest stop string; the text ends just before it
                 return Finish("stop", stop, text[:window_start + cut])
         if len(r.output_ids) >= sp.max_tokens:
-            return Finish("length", None, self.tokenizer.decode(r.output_ids))
+            return Finish("length", None, r.detokenizer.final_text())
         return None
 
     def _append_tokens(self, requests: list[Request], logits: torch.Tensor) -> None:
@@ -302,7 +306,7 @@ class LLM:
                 r.cumulative_logprob += logprob
                 if r.logprobs is not None:
                     r.logprobs.append(top_logprobs(row, next_id, r.params.logprobs))
-                r.output_ids.append(next_id)
+                r.append_token(next_id)
                 r.metrics.token_times.append(now)
                 r.metrics.first_token_time = r.metrics.first_token_time or now
         with self.timers.phase("detokenize"):

@@ -54,13 +54,17 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens (prompt, then generated) whose K/V are in the cache
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block of block_table
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self):
+        # prompt then output in one list, grown by append_token: read every step, so never rebuilt
+        self.token_ids: list[int] = self.prompt_ids + self.output_ids
+
+    def append_token(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
 
     def to_output(self) -> RequestOutput:
         completion = CompletionOutput(0, self.finish.text, self.output_ids, self.cumulative_logprob, self.logprobs,

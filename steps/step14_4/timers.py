@@ -2,9 +2,14 @@
 
     schedule         the scheduler picks requests and chunks; blocks are allocated, cached and freed
     prepare inputs   Python lists become the tensors the model reads (token ids, positions, block tables)
-    forward          the model (on CUDA the stopwatch waits for the GPU, so the time is the GPU's)
+    forward          the model (on CUDA with sync on, the stopwatch waits for the GPU, so the time is the GPU's)
     sample           log-softmax, the sampler, the chosen tokens' logprobs
     detokenize       text grows, stop conditions are checked, finished requests become outputs
+
+GPU work is asynchronous: on CUDA a phase's stopwatch stops when the CPU has queued its work, and the GPU's time
+is billed to the phase that next waits for it (sample, which reads the chosen tokens). Exact phase times need a
+wait for the GPU at every phase's end, about ten per step, which slows the engine: `timers.sync = True` asks
+for it (a phase table or a profile does), the engine's normal path leaves it off.
 """
 from __future__ import annotations
 
@@ -17,8 +22,9 @@ PHASES = ("schedule", "prepare inputs", "forward", "sample", "detokenize")
 
 
 class PhaseTimers:
-    def __init__(self, device: torch.device):
-        self.wait_for_gpu = device.type == "cuda"  # GPU work is asynchronous: wait for it, or it is billed elsewhere
+    def __init__(self, device: torch.device, sync: bool = False):
+        self.on_gpu = device.type == "cuda"
+        self.sync = sync  # wait for the GPU at each phase's end (CUDA only): exact phase times, a slower engine
         self.reset()
 
     def reset(self) -> None:
@@ -32,7 +38,7 @@ class PhaseTimers:
             with torch.profiler.record_function(name):  # the phase shows by name in a --profile trace
                 yield
         finally:
-            if self.wait_for_gpu:
+            if self.sync and self.on_gpu:
                 torch.cuda.synchronize()
             self.seconds[name] += time.perf_counter() - start
 

@@ -56,13 +56,17 @@ class Sequence:
     # once, as the block fills (block_manager.hash_new_blocks), and kept for life: preemption does not drop them
     num_cached_blocks: int = 0  # how many blocks of block_table are registered in the prefix cache
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self):
+        # prompt then output in one list, grown by append_token: read every step, so never rebuilt
+        self.token_ids: list[int] = self.prompt_ids + self.output_ids
+
+    def append_token(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
 
     def to_output(self) -> RequestOutput:
         completion = CompletionOutput(0, self.finish.text, self.output_ids, self.cumulative_logprob, self.logprobs,

@@ -206,9 +206,9 @@ class LLM:
         stop strings are looked for only where new text could complete one: O(1) per token, not O(n)."""
         sp, last = r.params, r.output_ids[-1]
         if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
-            return Finish("stop", None, self.tokenizer.decode(r.output_ids[:-1]))  # one full decode, at the end
+            return Finish("stop", None, r.detokenizer.final_text())  # the stop token is not in the text
         if last in sp.stop_token_ids:
-            return Finish("stop", last, self.tokenizer.decode(r.output_ids[:-1]))
+            return Finish("stop", last, r.detokenizer.final_text())
         new = r.detokenizer.add(last)
         if new and sp.stop:
             text = r.detokenizer.text
@@ -220,7 +220,7 @@ class LLM:
                 cut, stop = min(hits)  # the earliest stop string; the text ends just before it
                 return Finish("stop", stop, text[:window_start + cut])
         if len(r.output_ids) >= sp.max_tokens:
-            return Finish("length", None, self.tokenizer.decode(r.output_ids))
+            return Finish("length", None, r.detokenizer.final_text())
         return None
 
     def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -233,7 +233,7 @@ class LLM:
                 seq.cumulative_logprob += logprob
                 if seq.logprobs is not None:
                     seq.logprobs.append(top_logprobs(row, next_id, seq.params.logprobs))
-                seq.output_ids.append(next_id)
+                seq.append_token(next_id)
                 seq.metrics.token_times.append(now)
                 seq.metrics.first_token_time = seq.metrics.first_token_time or now
         with self.timers.phase("detokenize"):
