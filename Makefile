@@ -20,6 +20,11 @@ TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_CHOICE)' | cksum | cu
 
 # Extra pytest arguments, e.g.  make test PYTEST_ARGS="--durations=15 -x"
 PYTEST_ARGS ?=
+# The test targets run pytest-xdist workers, each on one torch thread (tests/conftest.py), one per core of the
+# 2-core machine the suite is sized for; a step's tests stay on one worker (--dist loadgroup), which builds its
+# engines once. PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 .PHONY: demo test test-fast bench docs clean
 
@@ -53,10 +58,10 @@ demo: $(STAMP)
 	$(BIN)/python steps/step17/run.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python run_all.py --bench

@@ -11,22 +11,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (make test runs two workers, one per core) each worker computes on one thread: two workers
+# with two threads each would ask four threads of two cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# The step list: a new step joins every equivalence and API test by being added here.
-STEPS = ["step01", "step02", "step03", "step04", "step05", "step06", "step07", "step08", "step09", "step10",
-         "step11", "step12", "step13", "step14", "step14_1", "step14_2", "step14_3", "step14_4", "step14_5", "step14_6", "step14_7",
-         "step15", "step16", "step17"]
-# The prompts the equivalence harness runs through every step (chat questions and plain text).
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "Write a haiku about the sea.",
-]
-TEXT_PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    "]
-EQUIV_MAX_TOKENS = 32
-
+# The registry of steps and what each has (tests/registry.py), and the harness prompts, are re-exported here.
+from registry import STEPS  # noqa: E402  (tests/registry.py)
+from registry import CHAT_PROMPTS, EQUIV_MAX_TOKENS, TEXT_PROMPTS  # noqa: E402,F401
 
 # `make test-fast` (pytest -m "not slow") tests every step-independent thing and the newest steps fully;
 # `make test` tests every step. A test that takes a step is marked slow unless its step is one of these, so
@@ -34,14 +29,16 @@ EQUIV_MAX_TOKENS = 32
 FAST_STEPS = 2
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     newest = set(STEPS[-FAST_STEPS:])
     for item in items:
         step = getattr(item, "callspec", None) and item.callspec.params.get("step")
-        if step is not None and step not in newest:
-            item.add_marker(pytest.mark.slow)
+        if step is not None:
+            if step not in newest:
+                item.add_marker(pytest.mark.slow)
+            # --dist loadgroup: a step's tests run on one worker, which then builds that step's engines once.
+            item.add_marker(pytest.mark.xdist_group(step))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")
@@ -57,9 +54,9 @@ def equivalence_prompts(tokenizer) -> list[list[int]]:
 
 @functools.lru_cache(maxsize=None)
 def greedy_outputs(step: str, model: str):
-    """Each step's greedy outputs on the harness prompts, computed once per test session (CPU, fp32)."""
+    """Each step's greedy outputs on the harness prompts, computed once per test process (CPU, fp32)."""
+    from helpers import load_engine
     from shared import SamplingParams
-    from shared.testing import load_engine
 
     llm = load_engine(step).LLM(model, device="cpu", dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=EQUIV_MAX_TOKENS, logprobs=5)
@@ -70,6 +67,6 @@ def greedy_outputs(step: str, model: str):
 def cached_llm(step: str, model: str):
     """An engine shared by tests across files, to save load time. Use it with its default options only and
     never change its settings or limits: a test that needs other options builds its own engine."""
-    from shared.testing import load_engine
+    from helpers import load_engine
 
     return load_engine(step).LLM(model, device="cpu", dtype="float32")

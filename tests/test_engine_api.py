@@ -7,12 +7,12 @@ failed requests held and leaves the engine ready for the next request.
 import importlib
 import pytest
 
-from conftest import STEPS
 from shared import SamplingParams
-from shared.testing import load_engine
+from helpers import load_engine
+from registry import has, having
 from test_part2 import MAX_TOKENS, PROMPTS, TINY, assert_same, greedy, reference
 
-SCHEDULED = STEPS[STEPS.index("step05"):]
+SCHEDULED = having("scheduler")
 
 
 def engine(step, **options):
@@ -28,13 +28,13 @@ def drain(llm) -> dict:
     raise AssertionError("the engine does not finish")
 
 
-def assert_clean(llm):
+def assert_clean(llm, step):
     """Nothing queued, nothing running, no KV memory held."""
     assert not llm.has_unfinished_requests()
     assert not llm.scheduler.running and not llm.scheduler.waiting
-    if hasattr(llm.scheduler, "reserved_tokens"):
+    if has(step, "kv_budget_in_tokens"):
         assert llm.scheduler.reserved_tokens == 0
-    if hasattr(llm, "block_manager"):
+    if has(step, "paged_kv"):
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "blocks leaked"
 
 
@@ -91,7 +91,7 @@ def test_a_failed_step_drops_its_requests(step, fail_at, monkeypatch):
         for _ in range(100):
             finished += llm.step()
     assert not finished
-    assert_clean(llm)  # all three ran in the step that failed: all three are dropped, nothing is held
+    assert_clean(llm, step)  # all three ran in the step that failed: all three are dropped, nothing is held
     monkeypatch.setattr(llm.model, "forward", forward)
     again = llm.generate(PROMPTS[:3], [greedy(n) for n in (12, 12, 12)])
     assert [o.request_id for o in again] == [str(int(ids[-1]) + i) for i in (1, 2, 3)]
@@ -106,17 +106,19 @@ def test_request_status_follows_its_life(step):
     rid = llm.add_request(PROMPTS[3], greedy(3))
     request = llm.scheduler.waiting[0]
     assert request.request_id == rid and request.status is status.WAITING
-    llm.step()
+    assert llm.step() == []  # a 40-token prompt's first step: it runs, nothing finishes
     assert request.status is status.RUNNING
-    drain(llm)
-    assert request.status is status.FINISHED and request.finish.reason == "length"
-    assert request.finish == (request.finish.reason, request.finish.stop_reason, request.finish.text)
+    outs = drain(llm)
+    assert request.status is status.FINISHED
+    completion = outs[rid].outputs[0]
+    assert len(completion.token_ids) == 3 and completion.text == llm.tokenizer.decode(completion.token_ids)
+    assert tuple(request.finish) == ("length", None, completion.text)  # why and where it ended: what the caller got
 
 
-@pytest.mark.parametrize("step", [s for s in SCHEDULED if s >= "step07"])
+@pytest.mark.parametrize("step", having("preemption"))
 def test_preempted_status(step):
     status = load_engine(step).RequestStatus
-    options = {"block_size": 16} if step >= "step08" else {}
+    options = {"block_size": 16} if has(step, "paged_kv") else {}
     llm = engine(step, max_num_seqs=8, max_kv_tokens=80, **options)
     seen = set()
     for p, n in zip(PROMPTS, MAX_TOKENS):
@@ -132,7 +134,7 @@ def test_nan_temperature_is_refused_before_anything_is_queued(step):
     llm = engine(step)
     with pytest.raises(ValueError, match="temperature"):
         llm.generate(PROMPTS[:2], [greedy(4), SamplingParams(temperature=float("nan"), max_tokens=4)])
-    assert_clean(llm)
+    assert_clean(llm, step)
     out = llm.generate([PROMPTS[0]], greedy(MAX_TOKENS[0]))  # the next good request is served
     assert_same([out[0].outputs[0]], reference([greedy(n) for n in MAX_TOKENS])[:1], step)
 
@@ -152,30 +154,30 @@ def test_a_failure_mid_way_leaves_nothing_behind(step, fail_at, monkeypatch):
     outs = drain(llm)
     outs.update({o.request_id: o for o in llm.step()})
     assert set(outs) <= {bystander}
-    assert_clean(llm)
+    assert_clean(llm, step)
     monkeypatch.setattr(llm.model, "forward", forward)
     expected = reference([greedy(n) for n in MAX_TOKENS])
     if bystander in outs:
         assert_same([outs[bystander].outputs[0]], expected[7:8], step)
     again = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS])  # the engine serves the next requests
     assert_same([o.outputs[0] for o in again], expected, step)
-    assert_clean(llm)
+    assert_clean(llm, step)
 
 
 @pytest.mark.parametrize("step", SCHEDULED)
 def test_a_failing_sampler_releases_the_batch(step, monkeypatch):
     llm = engine(step)
     engine_module = load_engine(step)
-    if hasattr(llm, "runner"):  # step14 on: the model runner samples
+    if has(step, "model_runner"):  # the model runner samples
         engine_module = importlib.import_module(f"steps.{step}.model_runner")
 
     def broken_sample(*args):
         raise InjectedFailure("sampler")
 
-    name = "sample_batch" if hasattr(engine_module, "sample_batch") else "sample"  # step12 on: one call per batch
+    name = "sample_batch" if has(step, "batched_sampler") else "sample"  # one sampler call per batch
     monkeypatch.setattr(engine_module, name, broken_sample)
     with pytest.raises(InjectedFailure):
         llm.generate(PROMPTS[:3], [greedy(4)] * 3)
-    assert_clean(llm)
+    assert_clean(llm, step)
     monkeypatch.undo()
     assert len(llm.generate([PROMPTS[0]], greedy(2))[0].outputs[0].token_ids) == 2

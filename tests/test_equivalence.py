@@ -1,14 +1,21 @@
-"""Every step gives what the step before it gave; step01 gives what HF transformers gives."""
+"""step01 gives what HF transformers gives; the golden file holds step01's outputs; every step gives them.
+
+The golden file (tests/golden/step01.json, written by `python tests/golden.py`) holds step01's greedy tokens and
+top-5 logprobs on the harness prompts. step01 is checked against HF transformers and against the file; every other
+step against the file: on the tiny model in every step, on the real model where a Part ends and in the newest step
+(registry.real_model_steps()). Equal to the same reference, the steps are equal to each other.
+"""
 import functools
 
 import pytest
 import torch
 
 from conftest import EQUIV_MAX_TOKENS, STEPS, cached_llm, equivalence_prompts, greedy_outputs
+from helpers import HF_LOGITS_ATOL_FP32, STEP_LOGPROB_ATOL_FP32, compare_completions, read_golden
+from registry import REAL, TINY, real_model_steps
 from shared import resolve_model
-from shared.testing import HF_LOGITS_ATOL_FP32, STEP_LOGPROB_ATOL_FP32, compare_completions
 
-MODELS = ["smollm2-135m", "random:tiny-llama"]
+MODELS = [REAL, TINY]
 
 
 @functools.lru_cache(maxsize=2)
@@ -20,10 +27,10 @@ def hf_model(model: str):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_step01_logits_match_hf(model):
-    llm = cached_llm("step01", model)
+    llm = cached_llm(STEPS[0], model)
     hf = hf_model(model)
     worst = 0.0
-    for prompt, out in zip(equivalence_prompts(llm.tokenizer), greedy_outputs("step01", model)):
+    for prompt, out in zip(equivalence_prompts(llm.tokenizer), greedy_outputs(STEPS[0], model), strict=True):
         ids = torch.tensor(prompt + out.outputs[0].token_ids)
         with torch.inference_mode():
             ref = hf(ids[None]).logits[0].float()
@@ -35,9 +42,9 @@ def test_step01_logits_match_hf(model):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_step01_greedy_matches_hf_generate(model):
-    llm = cached_llm("step01", model)
+    llm = cached_llm(STEPS[0], model)
     hf = hf_model(model)
-    for prompt, out in zip(equivalence_prompts(llm.tokenizer), greedy_outputs("step01", model)):
+    for prompt, out in zip(equivalence_prompts(llm.tokenizer), greedy_outputs(STEPS[0], model), strict=True):
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               max_new_tokens=EQUIV_MAX_TOKENS, do_sample=False,
@@ -46,11 +53,35 @@ def test_step01_greedy_matches_hf_generate(model):
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("prev,step", list(zip(STEPS, STEPS[1:])))
-def test_consecutive_steps_agree(prev, step, model):
+def test_golden_file_is_step01s_output(model):
+    """The file is what step01 gives today, top-5 candidates included (regenerate: python tests/golden.py)."""
+    prompts, golden = read_golden(model)
+    outs = greedy_outputs(STEPS[0], model)
+    assert [list(o.prompt_token_ids) for o in outs] == prompts, "the harness prompts changed: regenerate the file"
+    assert len(golden) == len(outs) > 0
+    for i, (a, b) in enumerate(zip(outs, golden)):
+        compare_completions(a.outputs[0], b, STEP_LOGPROB_ATOL_FP32, exact=True, label=f"step01 vs golden prompt {i}")
+        for row_a, row_b in zip(a.outputs[0].logprobs, b.logprobs, strict=True):
+            top_a = sorted(row_a, key=row_a.get, reverse=True)[:5]
+            top_b = sorted(row_b, key=row_b.get, reverse=True)[:5]
+            assert set(top_a) == set(top_b) and max(abs(row_a[t] - row_b[t]) for t in top_a) <= STEP_LOGPROB_ATOL_FP32
+    assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= (3 if model == REAL else 0), \
+        "the real model's chat answers end with EOS: the harness checks EOS handling too"
+
+
+def golden_cases():
+    return [pytest.param(step, model, id=f"{step}-{model}") for step in STEPS[1:] for model in MODELS
+            if model == TINY or step in real_model_steps()]
+
+
+@pytest.mark.parametrize("step,model", golden_cases())
+def test_step_matches_golden(step, model):
+    prompts, golden = read_golden(model)
+    outs = greedy_outputs(step, model)
+    assert len(outs) == len(golden) == len(prompts) > 0
     worst = 0.0
-    for i, (a, b) in enumerate(zip(greedy_outputs(prev, model), greedy_outputs(step, model))):
-        assert a.prompt_token_ids == b.prompt_token_ids
-        worst = max(worst, compare_completions(a.outputs[0], b.outputs[0], STEP_LOGPROB_ATOL_FP32, exact=True,
-                                               label=f"{prev}->{step} prompt {i}"))
-    print(f"{prev}->{step} on {model}: max |logprob diff| = {worst:.2e}")
+    for i, (a, b) in enumerate(zip(outs, golden)):
+        assert a.prompt_token_ids == prompts[i]
+        worst = max(worst, compare_completions(a.outputs[0], b, STEP_LOGPROB_ATOL_FP32, exact=True,
+                                               label=f"{step} vs golden (step01) prompt {i}"))
+    print(f"{step} vs step01 on {model}: max |logprob diff| = {worst:.2e}")

@@ -6,7 +6,7 @@ import torch
 
 from conftest import CHAT_PROMPTS, STEPS
 from shared import SamplingParams, resolve_model
-from shared.testing import (BF16_LOGPROB_MAX_ATOL, BF16_LOGPROB_MEAN_ATOL, VLLM_RULE_TOP_K, load_engine)
+from helpers import (BF16_LOGPROB_MAX_ATOL, BF16_LOGPROB_MEAN_ATOL, VLLM_RULE_TOP_K, load_engine)
 
 MODEL = "random:smollm2-135m"
 MAX_TOKENS = 32

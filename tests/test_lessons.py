@@ -13,7 +13,7 @@ import pytest
 
 from conftest import STEPS
 from shared import SamplingParams
-from shared.testing import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
+from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
 
 pytestmark = pytest.mark.slow  # real-model runs: in `make test`, not in `make test-fast`
 

@@ -6,16 +6,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import STEPS, cached_llm
+from conftest import cached_llm
 from shared import SamplingParams
-from shared.testing import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
+from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
+from registry import TINY, has, having, introducing, last_before
 
 # Part 2's properties must hold in every later step too.
-PART2 = STEPS[STEPS.index("step04"):]
-SCHEDULED = [s for s in PART2 if s != "step04"]  # the steps with a scheduler (add_request / step)
-CHUNKED = [s for s in SCHEDULED if s != "step05"]
-PREEMPTING = [s for s in CHUNKED if s != "step06"]  # a KV budget: steps 07 on
-TINY = "random:tiny-llama"
+PART2 = having("batch")
+SCHEDULED = having("scheduler")  # the steps with a scheduler (add_request / step)
+CHUNKED = having("chunked_prefill")
+PREEMPTING = having("preemption")  # a KV budget
+REFERENCE = last_before("batch")  # each request alone, through the last step without batching (step03)
 
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(49152) for _ in range(n)] for n in (3, 17, 5, 40, 9, 28, 1, 12)]
@@ -27,8 +28,8 @@ def greedy(max_tokens):
 
 
 def reference(params):
-    """Each request alone through step03 (no batching at all)."""
-    llm = cached_llm("step03", TINY)
+    """Each request alone through the last step before batching (no batching at all)."""
+    llm = cached_llm(REFERENCE, TINY)
     return [llm.generate([p], sp)[0].outputs[0] for p, sp in zip(PROMPTS, params)]
 
 
@@ -54,8 +55,8 @@ def test_mixed_sampling_params_in_one_batch(step):
     assert_same([o.outputs[0] for o in outs], reference(params), step)
 
 
-def test_step04_counts_its_wasted_slots():
-    llm = load_engine("step04").LLM(TINY, device="cpu")
+def test_static_batching_counts_its_wasted_slots():
+    llm = load_engine(introducing("batch")).LLM(TINY, device="cpu")
     llm.generate([[1, 2, 3], list(range(10, 20))], [greedy(2), greedy(5)])
     # prefill: 2 rows x 10 columns, 7 of them padding; then 4 decode forwards of 2 rows, of which the
     # first request (finished after 2 tokens) wastes the last 3.
@@ -148,7 +149,7 @@ def test_chunked_prefill_any_budget(step, budget):
     assert llm.stats["prefill_chunks"] >= sum(len(p) > 1 for p in PROMPTS) + longer
 
 
-@pytest.mark.parametrize("step", [s for s in SCHEDULED if s == "step07"])
+@pytest.mark.parametrize("step", having("preemption", "kv_budget_in_tokens"))
 def test_preemption_happens_and_changes_nothing(step):
     llm = load_engine(step).LLM(TINY, device="cpu", max_num_seqs=8, max_kv_tokens=80)
     params = [greedy(n) for n in MAX_TOKENS]
@@ -158,7 +159,7 @@ def test_preemption_happens_and_changes_nothing(step):
     assert llm.scheduler.reserved_tokens == 0 and not llm.scheduler.running and not llm.scheduler.waiting
 
 
-@pytest.mark.parametrize("step", [s for s in SCHEDULED if s == "step07"])
+@pytest.mark.parametrize("step", having("preemption", "kv_budget_in_tokens"))
 def test_a_request_that_can_never_fit_is_refused(step):
     llm = load_engine(step).LLM(TINY, device="cpu", max_kv_tokens=50)
     with pytest.raises(ValueError, match=r"prompt \(40 tokens\) \+ max_tokens \(20\) = 60 exceeds max_kv_tokens \(50\)"):
@@ -178,6 +179,6 @@ def test_bad_options(step):
     if step in CHUNKED:
         with pytest.raises(ValueError, match="max_num_batched_tokens must be an integer >= 1, got 0"):
             LLM(TINY, device="cpu", max_num_batched_tokens=0)
-    if step == "step07":
-        with pytest.raises(ValueError, match="max_kv_tokens must be an integer >= 1, got -5"):
+    if has(step, "preemption"):
+        with pytest.raises(ValueError, match=r"max_kv_tokens must be (None or )?an integer >= 1, got -5"):
             LLM(TINY, device="cpu", max_kv_tokens=-5)

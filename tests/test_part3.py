@@ -6,13 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import STEPS, cached_llm
+from conftest import cached_llm
 from shared import SamplingParams
-from shared.testing import FakeRequest, load_engine
-from test_part2 import MAX_TOKENS, PROMPTS, TINY, assert_same, greedy, reference
+from helpers import FakeRequest, load_engine
+from registry import has, having
+from test_part2 import MAX_TOKENS, PROMPTS, REFERENCE, TINY, assert_same, greedy, reference
 
-PAGED = STEPS[STEPS.index("step08"):] if "step08" in STEPS else []
-PREFIX = STEPS[STEPS.index("step09"):] if "step09" in STEPS else []
+PAGED = having("paged_kv")
+PREFIX = having("prefix_cache")
 
 
 @pytest.mark.parametrize("step", PAGED)
@@ -47,7 +48,7 @@ def test_bad_paged_options(step):
     with pytest.raises(ValueError, match=r"= 70 exceeds max_kv_tokens \(64 = 4 blocks of 16\)"):
         llm.generate([[1] * 40], SamplingParams(temperature=0, max_tokens=30))
     assert not llm.has_unfinished_requests()
-    if step in PREFIX:
+    if has(step, "prefix_cache"):
         with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
             LLM(TINY, device="cpu", enable_prefix_caching="yes")
 
@@ -134,7 +135,7 @@ def test_outputs_identical_with_cache_on_and_off(step):
         hits = llm.block_manager.stats["hits"]
         assert (hits > 0) == enabled, f"prefix caching {'on' if enabled else 'off'}: {hits} hits"
     assert_same(runs[True], runs[False], step)
-    single = cached_llm("step03", TINY)
+    single = cached_llm(REFERENCE, TINY)
     assert_same(runs[True], [single.generate([p], sp)[0].outputs[0] for p, sp in zip(SHARING_PROMPTS, params)], step)
 
 
@@ -168,14 +169,14 @@ def test_hash_collisions_never_share_different_tokens(step, monkeypatch):
     other = [t + 1 for t in PREFIX_64] + [5, 6, 7]  # different tokens, same (forced) hashes
     outs = run_two(llm, SHARING_PROMPTS[1], other)
     assert llm.block_manager.stats["hits"] == 0, "a hash collision shared blocks of different tokens"
-    expected = cached_llm("step03", TINY).generate([other], greedy(8))[0].outputs[0]
+    expected = cached_llm(REFERENCE, TINY).generate([other], greedy(8))[0].outputs[0]
     assert_same([outs["1"].outputs[0]], [expected], step)
     # Same tokens as the first request: block 0 hits (same hash, same tokens, no previous block). Block 1 finds
     # block 0 under the forced hash 42 too, and there the token check refuses it: never a wrong block.
     llm2 = load_engine(step).LLM(TINY, device="cpu", block_size=16)
     outs2 = run_two(llm2, SHARING_PROMPTS[1], SHARING_PROMPTS[3])
     assert llm2.block_manager.stats["hits"] == 1
-    expected = cached_llm("step03", TINY).generate([SHARING_PROMPTS[3]], greedy(8))[0].outputs[0]
+    expected = cached_llm(REFERENCE, TINY).generate([SHARING_PROMPTS[3]], greedy(8))[0].outputs[0]
     assert_same([outs2["1"].outputs[0]], [expected], step)
 
 
@@ -191,7 +192,7 @@ def test_the_parent_block_tells_repeated_blocks_apart(step, monkeypatch):
     second = [5] * 16 + [5] * 16 + [7] * 16 + [1, 2]
     outs = run_two(llm, first, second)
     assert llm.block_manager.stats["hits"] == 1, "only block 0 may be shared"
-    expected = cached_llm("step03", TINY).generate([second], greedy(8))[0].outputs[0]
+    expected = cached_llm(REFERENCE, TINY).generate([second], greedy(8))[0].outputs[0]
     assert_same([outs["1"].outputs[0]], [expected], step)
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import STEPS
 from shared import SamplingParams, resolve_model
-from shared.testing import HF_LOGITS_ATOL_FP32, load_engine
+from helpers import HF_LOGITS_ATOL_FP32, load_engine
 
 FAMILIES = STEPS[STEPS.index("step10"):] if "step10" in STEPS else []
 # The HF oracle feeds the model one token at a time through its step10-13 forward signature, so it runs on

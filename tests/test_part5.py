@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from conftest import STEPS
 from shared import SamplingParams
-from shared.testing import STEP_LOGPROB_ATOL_FP32, FakeRequest, compare_completions, load_engine
+from helpers import STEP_LOGPROB_ATOL_FP32, FakeRequest, compare_completions, load_engine
 
 PART5 = [s for s in STEPS if s.startswith("step14")]
 

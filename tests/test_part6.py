@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shared import SamplingParams
-from shared.testing import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
+from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
 
 pytest.importorskip("triton")
 

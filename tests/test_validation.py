@@ -3,7 +3,7 @@ import pytest
 
 from conftest import STEPS, cached_llm
 from shared import SamplingParams, resolve_model
-from shared.testing import load_engine
+from helpers import load_engine
 
 TINY = "random:tiny-llama"  # context: 2048 tokens
 

@@ -1,8 +1,12 @@
-"""Helpers for the tests: importing a step's engine, comparing outputs, the tolerances (in one place)."""
+"""Helpers for the tests: importing a step's engine, comparing outputs, the golden outputs, the tolerances (in one
+place)."""
 from __future__ import annotations
 
 import importlib
+import json
 import math
+from pathlib import Path
+from types import SimpleNamespace
 
 # Tolerances, justified by measurement (see docs/reference/testing.md):
 # - step01 vs HF transformers, fp32 logits: same math, different op order. Measured max |diff| 5.8e-5
@@ -37,6 +41,32 @@ class FakeRequest:
 def load_engine(step: str):
     """The `engine` module of steps/<step>."""
     return importlib.import_module(f"steps.{step}.engine")
+
+
+def step_module(step: str, name: str):
+    """steps/<step>/<name>.py (name may be dotted: "kernels.decode")."""
+    return importlib.import_module(f"steps.{step}.{name}")
+
+
+# ---- the golden outputs: step01's greedy answers to the harness prompts -------------------------------------
+# step01 is checked against HF transformers (test_equivalence.py); every other step is checked against this file
+# instead of against its predecessor's outputs computed again. Regenerate it with `python tests/golden.py`.
+GOLDEN = Path(__file__).resolve().parent / "golden" / "step01.json"
+
+
+def completion_record(completion) -> dict:
+    """What the golden file keeps of one completion: tokens, finish reason, each position's top logprobs."""
+    return {"token_ids": list(completion.token_ids), "finish_reason": completion.finish_reason,
+            "logprobs": [sorted([[int(t), float(lp)] for t, lp in row.items()], key=lambda x: -x[1])
+                         for row in completion.logprobs]}
+
+
+def read_golden(model: str, path: Path = GOLDEN) -> tuple[list[list[int]], list]:
+    """-> (the prompts' token ids, one completion-like object per prompt) for `model`."""
+    entry = json.loads(path.read_text())["models"][model]
+    outs = [SimpleNamespace(token_ids=r["token_ids"], finish_reason=r["finish_reason"],
+                            logprobs=[{t: lp for t, lp in row} for row in r["logprobs"]]) for r in entry["outputs"]]
+    return entry["prompts"], outs
 
 
 def chosen_logprobs(completion) -> list[float]:

@@ -1,0 +1,159 @@
+"""The registry of steps: every step folder, its Part, and what it has.
+
+Tests select steps by what they have (`having("scheduler")`, `introducing("prefix_cache")`), never by a step's
+name. A step keeps every feature of the step before it unless its line says `removes=`; so a new step copied
+from the newest one joins every test that applies to it by one line here, `step("step18", part=6)`.
+`tests/test_scripts.py::test_every_step_folder_is_complete` checks that this list names every step folder.
+
+The features (the step that brings each one in is where its lesson is tested in full):
+
+    greedy_decode       a model, greedy decoding, EOS and max_tokens               step01
+    sampling            steps/<step>/sampler.py: temperature, top-k/p, min-p, seeds; stop strings and ids
+    kv_cache            prefill once, then one token per forward
+    batch               several requests in one forward (static batching)
+    scheduler           add_request()/step(), max_num_seqs, RequestStatus (continuous batching)
+    chunked_prefill     max_num_batched_tokens: prompts prefilled in chunks, stats["prefill_chunks"]
+    preemption          a KV budget (max_kv_tokens) that preempts the newest request
+    kv_budget_in_tokens the budget is counted in reserved tokens (scheduler.reserved_tokens), not in blocks
+    paged_kv            block_size, a block manager over a pool of KV blocks
+    prefix_cache        enable_prefix_caching, block hashes, hits
+    pool_forward        model.forward(tokens, positions, block_tables, pool): one sequence's rows at a time
+    model_families      Llama and Qwen3 through one loader, fused QKV and gate/up projections
+    memory_sizing       the KV pool sized from the device's memory (kv_pool_blocks, gpu_memory_utilization)
+    batched_sampler     one sampler call per step (sample_batch), the incremental detokenizer
+    phase_timers        llm.timers: where the time of a step goes; run.py --profile writes a trace
+    model_runner        one KV tensor for all layers, a model runner between engine and model
+    slot_mapping_write  the KV write as one indexed copy (model.slot_mapping, model.write_kv)
+    index_select_gather the KV read as one index_select (model.context_slots, model.gather_kv)
+    gqa_view            grouped-query attention by a view (model.grouped_attention)
+    mask_once           the causal mask built once per forward, none for decodes (model.causal_mask)
+    incremental_hash    each full block hashed once (block_manager.num_hashed, hash_new_blocks)
+    lru_eviction        release()/append(), cached blocks evicted least recently used first
+    flat_varlen_batch   one model forward per engine step, chunks and decodes in one flat batch
+    triton_prefill      kernels/attention.py: flash attention over the paged cache (Triton)
+    triton_decode       kernels/decode.py: paged decode kernels v1 and v2 (Triton)
+    flash_decoding      kernels/decode.py: split-K decode (split + merge kernels), choose_num_splits
+    fused_qk_rope       q and k normalised and rotated as one tensor (fewer operators per layer)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The harness prompts (chat questions and plain text), the length of their greedy answers, and the golden file.
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+]
+TEXT_PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    "]
+EQUIV_MAX_TOKENS = 32
+
+REAL = "smollm2-135m"
+TINY = "random:tiny-llama"
+TINY_QWEN3 = "random:tiny-qwen3"
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    part: int
+    features: frozenset
+    adds: frozenset
+
+
+REGISTRY: list[Step] = []
+
+
+def step(name: str, part: int, adds: tuple = (), removes: tuple = ()) -> None:
+    """Register a step: the features of the step before it, plus `adds`, minus `removes`."""
+    before = REGISTRY[-1].features if REGISTRY else frozenset()
+    assert not set(adds) & before, f"{name} adds what it already has: {set(adds) & before}"
+    assert set(removes) <= before, f"{name} removes what it does not have: {set(removes) - before}"
+    REGISTRY.append(Step(name, part, (before | set(adds)) - set(removes), frozenset(adds)))
+
+
+step("step01", 1, adds=("greedy_decode",))
+step("step02", 1, adds=("sampling",))
+step("step03", 1, adds=("kv_cache",))
+step("step04", 2, adds=("batch",))
+step("step05", 2, adds=("scheduler",))
+step("step06", 2, adds=("chunked_prefill",))
+step("step07", 2, adds=("preemption", "kv_budget_in_tokens"))
+step("step08", 3, adds=("paged_kv", "pool_forward"), removes=("kv_budget_in_tokens",))
+step("step09", 3, adds=("prefix_cache",))
+step("step10", 4, adds=("model_families",))
+step("step11", 4, adds=("memory_sizing",))
+step("step12", 4, adds=("batched_sampler",))
+step("step13", 4, adds=("phase_timers",))
+step("step14", 5, adds=("model_runner",), removes=("pool_forward",))
+step("step14_1", 5, adds=("slot_mapping_write",))
+step("step14_2", 5, adds=("index_select_gather",))
+step("step14_3", 5, adds=("gqa_view",))
+step("step14_4", 5, adds=("mask_once",))
+step("step14_5", 5, adds=("incremental_hash",))
+step("step14_6", 5, adds=("lru_eviction",))
+step("step14_7", 5, adds=("flat_varlen_batch",))
+step("step15", 6, adds=("triton_prefill",))
+step("step16", 6, adds=("triton_decode",))
+step("step17", 6, adds=("flash_decoding", "fused_qk_rope"))
+
+STEPS = [s.name for s in REGISTRY]
+BY_NAME = {s.name: s for s in REGISTRY}
+ALL_FEATURES = frozenset().union(*(s.features for s in REGISTRY))
+NEWEST = STEPS[-1]
+
+
+def _known(feature: str) -> str:
+    assert feature in ALL_FEATURES, f"unknown feature {feature!r}"
+    return feature
+
+
+def has(name: str, feature: str) -> bool:
+    return _known(feature) in BY_NAME[name].features
+
+
+def having(*features: str) -> list[str]:
+    """The steps that have every one of `features`."""
+    return [s.name for s in REGISTRY if all(_known(f) in s.features for f in features)]
+
+
+def introducing(feature: str) -> str:
+    """The step that brings `feature` in (its lesson)."""
+    return next(s.name for s in REGISTRY if _known(feature) in s.adds)
+
+
+def previous(name: str) -> str:
+    return STEPS[STEPS.index(name) - 1]
+
+
+def last_before(feature: str) -> str:
+    """The newest step without `feature` that comes before the step introducing it."""
+    return previous(introducing(feature))
+
+
+def part_of(name: str) -> int:
+    return BY_NAME[name].part
+
+
+def part_ends() -> list[str]:
+    """The last step of each Part."""
+    return [s.name for i, s in enumerate(REGISTRY) if i + 1 == len(REGISTRY) or REGISTRY[i + 1].part != s.part]
+
+
+def real_model_steps() -> list[str]:
+    """Where the real model's per-step checks run: step01, the last step of each Part, and the newest step.
+    Every other step is checked on the tiny models (and is equal to its neighbours there)."""
+    return sorted({STEPS[0], *part_ends(), NEWEST}, key=STEPS.index)
+
+
+def lesson_and_newest(feature: str) -> list[str]:
+    """The step that introduces `feature` and the newest step (which must still have it)."""
+    first = introducing(feature)
+    return sorted({first, NEWEST} if has(NEWEST, feature) else {first}, key=STEPS.index)
+
+
+def lesson_and_copies(feature: str) -> list[tuple[str, bool]]:
+    """Every step that has `feature`, each with True where the feature is introduced (its full test grid) and
+    False for the later steps, which hold their own copy of the code and get a reduced grid."""
+    first = introducing(feature)
+    return [(s, s == first) for s in having(feature)]
