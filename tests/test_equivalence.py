@@ -65,8 +65,10 @@ def test_golden_file_is_step01s_output(model):
             top_a = sorted(row_a, key=row_a.get, reverse=True)[:5]
             top_b = sorted(row_b, key=row_b.get, reverse=True)[:5]
             assert set(top_a) == set(top_b) and max(abs(row_a[t] - row_b[t]) for t in top_a) <= STEP_LOGPROB_ATOL_FP32
-    assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= (3 if model == REAL else 0), \
-        "the real model's chat answers end with EOS: the harness checks EOS handling too"
+    # Two of the real model's three chat answers end with EOS within the harness's max_tokens, so every step's
+    # comparison with the file checks its EOS handling too (the tiny random model never stops early).
+    assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= (2 if model == REAL else 0), \
+        "the real model's chat answers should end with EOS: the harness checks EOS handling too"
 
 
 def golden_cases():
