@@ -45,13 +45,49 @@ def test_every_step_folder_is_complete():
     assert sorted(STEPS) == on_disk, "tests/conftest.py STEPS must list every step folder"
 
 
+def step_names_in_code(path) -> set[str]:
+    """The steps a file names in its code: string constants (docstrings left out) that are a step's name or a
+    module path into one ("steps.step16", "steps/step16"), and a module path completed at run time
+    (f"steps.{name}", "steps." + name), reported as "steps.<computed>"."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    # `__package__ = "steps." + Path(__file__).parent.name`: a run.py naming its own package, to run as a script
+    own_package = {id(c) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                   and any(isinstance(t, ast.Name) and t.id == "__package__" for t in node.targets)
+                   for c in ast.walk(node.value)}
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings | own_package:
+            text = node.value
+            names |= {s for s in STEPS if text == s or f"steps.{s}" in text or f"steps/{s}" in text}
+            if re.fullmatch(r"steps[./]", text):  # a step chosen at run time: f"steps.{name}" -> its own entry
+                names.add("steps.<computed>")
+    return names
+
+
 def test_steps_import_no_other_step():
+    """A step's modules name no other step, neither by an import nor by a name loaded at run time
+    (importlib, shared.anatomy.step_module). Only run.py may load the steps before it, to show the lesson's
+    before and after side by side; never a later one."""
     for step in STEPS:
-        for f in (ROOT / "steps" / step).glob("*.py"):
-            text = f.read_text()
-            for other in STEPS:
-                if other != step:
-                    assert f"steps.{other}" not in text and f"steps/{other}" not in text, f"{f} refers to {other}"
+        for f in (ROOT / "steps" / step).rglob("*.py"):
+            named = step_names_in_code(f) - {step}
+            if f.name == "run.py" and f.parent.name == step:
+                later = {s for s in named if s not in STEPS or STEPS.index(s) > STEPS.index(step)}
+                assert not later, f"{f} loads a later step or one chosen at run time: {sorted(later)}"
+            else:
+                assert not named, f"{f} names another step in its code: {sorted(named)}"
+
+
+def test_the_import_check_sees_names_loaded_at_run_time(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""Docstrings may name step16."""\nimport importlib\n'
+                     'x = step_module("step16", "model")\ny = importlib.import_module(f"steps.{name}.engine")\n')
+    assert step_names_in_code(probe) == {"step16", "steps.<computed>"}
 
 
 @pytest.mark.parametrize("step", STEPS)
