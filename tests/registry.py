@@ -33,7 +33,6 @@ The features (the step that brings each one in is where its lesson is tested in 
     triton_prefill      kernels/attention.py: flash attention over the paged cache (Triton)
     triton_decode       kernels/decode.py: paged decode kernels v1 and v2 (Triton)
     flash_decoding      kernels/decode.py: split-K decode (split + merge kernels), choose_num_splits
-    fused_qk_rope       q and k normalised and rotated as one tensor (fewer operators per layer)
 """
 from __future__ import annotations
 
@@ -95,7 +94,7 @@ step("step14_6", 5, adds=("lru_eviction",))
 step("step14_7", 5, adds=("flat_varlen_batch",))
 step("step15", 6, adds=("triton_prefill",))
 step("step16", 6, adds=("triton_decode",))
-step("step17", 6, adds=("flash_decoding", "fused_qk_rope"))
+step("step17", 6, adds=("flash_decoding",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}

@@ -164,15 +164,14 @@ class CausalLM:
         c, p = self.config, f"model.layers.{layer}.self_attn."
         N = x.shape[0]
         qkv = x @ self.w[p + "qkv_proj.weight"].T  # one matmul for every token of the step: [N, (heads + 2 * kv_heads) * head_dim]
-        # q's heads and k's heads sit side by side in qkv: viewed as one [N, heads + kv_heads, head_dim] tensor, they
-        # get their norms and their rotation in one call each, half the kernel launches of doing q and k apart
-        # (the same numbers: both are per-head operations).
-        qk = qkv[:, :(c.num_heads + c.num_kv_heads) * c.head_dim].view(N, c.num_heads + c.num_kv_heads, c.head_dim)
-        v = qkv[:, (c.num_heads + c.num_kv_heads) * c.head_dim:].view(N, c.num_kv_heads, c.head_dim)
+        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
+        q = q.reshape(N, c.num_heads, c.head_dim)  # [N, heads, head_dim]
+        k = k.reshape(N, c.num_kv_heads, c.head_dim)  # [N, kv_heads, head_dim]
+        v = v.reshape(N, c.num_kv_heads, c.head_dim)  # [N, kv_heads, head_dim]
         if c.qk_norm:  # Qwen3: each head of q and k is RMS-normalised over head_dim before RoPE
-            qk = rms_norm(qk, self.w[p + "qk_norm.weight"], c.rms_norm_eps)  # weight [heads + kv_heads, head_dim]
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]  # [N, heads, head_dim], [N, kv_heads, head_dim]: views
+            q = rms_norm(q, self.w[p + "q_norm.weight"], c.rms_norm_eps)
+            k = rms_norm(k, self.w[p + "k_norm.weight"], c.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # views of the one KV tensor
         write_kv(k_cache, attn.slot_mapping, k)  # one scatter for every new token of every sequence
         write_kv(v_cache, attn.slot_mapping, v)
@@ -201,8 +200,7 @@ class CausalLM:
             out = paged_attention(q[f.token_start:], k_cache, v_cache, f.block_tables, f.cu_seqlens_q, f.seq_lens_k,
                                   c.head_dim ** -0.5, f.max_query_len)
             outputs.append(out.reshape(-1, c.num_heads * c.head_dim))
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # only decodes or only chunks: no copy
-        return out @ self.w[p + "o_proj.weight"].T  # [N, hidden]
+        return torch.cat(outputs) @ self.w[p + "o_proj.weight"].T  # [N, hidden]
 
     def mlp(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         p = f"model.layers.{layer}.mlp."
@@ -232,19 +230,14 @@ class CausalLM:
 
 def fuse_projections(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """HF checkpoints store q, k, v and gate, up as separate matrices. Stack them once, at load time:
-    [q; k; v] -> qkv_proj, [gate; up] -> gate_up_proj, and Qwen3's q_norm, k_norm -> qk_norm (one row per head).
-    x @ W.T of a stacked W is the three (two) products side by side, so one matmul replaces three (two): fewer
-    kernel launches, one larger matmul.
+    [q; k; v] -> qkv_proj, [gate; up] -> gate_up_proj. x @ W.T of a stacked W is the three (two) products
+    side by side, so one matmul replaces three (two): fewer kernel launches, one larger matmul.
     In place, layer by layer: each layer's separate matrices are freed as soon as its stacked ones exist."""
     for layer in range(config.num_layers):
         a, m = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
         weights[a + "qkv_proj.weight"] = torch.cat([weights.pop(a + n + "_proj.weight") for n in "qkv"])
         weights[m + "gate_up_proj.weight"] = torch.cat([weights.pop(m + "gate_proj.weight"),
                                                         weights.pop(m + "up_proj.weight")])
-        if config.qk_norm:  # one norm weight per head of the [heads + kv_heads] view: q_norm's, then k_norm's
-            q_norm, k_norm = weights.pop(a + "q_norm.weight"), weights.pop(a + "k_norm.weight")
-            weights[a + "qk_norm.weight"] = torch.cat([q_norm.expand(config.num_heads, -1),
-                                                       k_norm.expand(config.num_kv_heads, -1)])
     return weights
 
 
