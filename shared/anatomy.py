@@ -183,17 +183,9 @@ def kernel_arg_parser(description: str):
     """A Part 6 run.py's options: a Part 5 run.py's, plus --attention-backend."""
     parser = anatomy_arg_parser(description)
     parser.add_argument("--attention-backend", choices=["triton", "torch"], default=None,
-                        help="attention: this step's Triton kernels or step14_7's loop (default: triton on CUDA, "
-                             "torch elsewhere; triton on a CPU needs TRITON_INTERPRET=1 and is very slow)")
+                        help="attention: this step's Triton kernels or the torch loop they replace (default: triton on "
+                             "CUDA, torch elsewhere; triton on a CPU runs in Triton's interpreter and is very slow)")
     return parser
-
-
-def print_attention_backend(llm, kernels: str) -> None:
-    """Say which attention path the engine runs: `kernels` describes the Triton path of this step."""
-    backend = llm.model.attention_backend
-    torch_path = "every sequence through step14_7's loop (the kernels' reference math); " + (
-        "no CUDA device here" if llm.device.type != "cuda" else "as asked")
-    print(f"attention backend: {backend} -> " + (kernels if backend == "triton" else torch_path))
 
 
 def interpreter_off_cuda(args) -> None:
@@ -230,9 +222,3 @@ def kernels_cannot_run(llm) -> str | None:
         return "on a CPU Triton's kernels run only in its interpreter, and TRITON_INTERPRET is not 1"
     return None
 
-
-def say_if_same_path(llm) -> None:
-    """After the engine comparison: on the torch path both engines ran the same loop, so say the ratio is noise."""
-    if llm.model.attention_backend != "triton":
-        print("Both engines ran the same per-sequence loop here, so the ratio is noise; the kernels' gain needs a "
-              "GPU (the chapter has the H200's figures).")
