@@ -42,7 +42,6 @@ def show_one_step(llm) -> None:
     print(f"\nOne engine step by hand: {len(decodes)} decodes and {len(chunks)} prompt chunks "
           f"({', '.join(str(n) for _, n in chunks)} tokens) in one flat batch of {input_ids.shape[0]} tokens:")
     print(f"  cu_seqlens_q = {attn.cu_seqlens_q}   (where each sequence's new tokens start)")
-    print(f"  cu_seqlens_k = {attn.cu_seqlens_k}   (the same over each sequence's whole context)")
     print(f"  positions    = {positions.tolist()[:4]} ... (each token's position in its own sequence)")
     print(f"  slot_mapping = {attn.slot_mapping.tolist()[:4]} ... (each token's K/V slot in the cache)")
     logits = llm.model.forward(input_ids, positions, attn)
