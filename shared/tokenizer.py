@@ -1,16 +1,30 @@
 """A thin wrapper over the HF tokenizer: encode, decode, chat template, end-of-sequence ids."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 
+@functools.lru_cache(maxsize=8)
+def _hf_tokenizer(model_dir: str, files_stamp: tuple):
+    """The HF tokenizer of a model folder, loaded once per process (about half a second each time otherwise) and
+    shared by every engine built on that folder: nothing here changes its settings. files_stamp (the tokenizer
+    files' names, sizes and modification times) is part of the key, so a folder whose files change is read again."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _files_stamp(model_dir: Path) -> tuple:
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(model_dir.glob("*"))
+                 if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja"))
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
-        from transformers import AutoTokenizer
-
-        model_dir = Path(model_dir)
-        self.hf = AutoTokenizer.from_pretrained(model_dir)
+        model_dir = Path(model_dir).resolve()
+        self.hf = _hf_tokenizer(str(model_dir), _files_stamp(model_dir))
         config = json.loads((model_dir / "config.json").read_text())
         eos = config.get("eos_token_id", self.hf.eos_token_id)
         eos = eos if isinstance(eos, list) else [eos]

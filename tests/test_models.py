@@ -32,3 +32,18 @@ def test_embedded_model_is_the_real_smollm2():
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (9, 3, True)
     assert "quantization_config" not in config  # saved as plain fp32 safetensors
     assert (folder / "tokenizer.json").is_file()
+
+
+def test_a_tokenizer_is_loaded_once_per_folder_and_again_when_its_files_change(tmp_path):
+    import os
+    import shutil
+
+    from shared import Tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(resolve_model("random:tiny-llama"), folder)
+    a, b = Tokenizer(folder), Tokenizer(folder)
+    assert a.hf is b.hf and a.encode("The quick brown fox") == b.encode("The quick brown fox")
+    config = folder / "tokenizer_config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))  # the file changed
+    assert Tokenizer(folder).hf is not a.hf
