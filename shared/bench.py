@@ -23,6 +23,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared.anatomy import copy_gb_per_s  # noqa: E402
 from shared.params import SamplingParams  # noqa: E402
 
 STANDARD_QUESTIONS = [
@@ -86,25 +87,6 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def measure_bandwidth_gbs(device) -> float | None:
-    """Device memory bandwidth (GB/s) from a large device-to-device copy: the decode roofline's ceiling."""
-    import torch
-
-    if device.type != "cuda":
-        return None
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _sync(device)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() / statistics.median(times) / 1e9  # read + write
-
-
 def _peak_memory(device) -> tuple[float, str]:
     """Peak memory in MiB since the last reset: the CUDA allocator's on a GPU, the process's resident set on the CPU."""
     import torch
@@ -165,7 +147,7 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
     )
     if llm.device.type == "cuda":
         weight_bytes = decode_weight_bytes(model, llm.dtype.itemsize)
-        bandwidth = measure_bandwidth_gbs(llm.device)
+        bandwidth = copy_gb_per_s(llm.device)  # the decode roofline's ceiling
         result.update(weight_mb=weight_bytes / 2**20, bandwidth_gbs=bandwidth,
                       roofline_tokens_per_s_batch1=bandwidth * 1e9 / weight_bytes)
     return result

@@ -22,7 +22,7 @@ import triton  # noqa: E402
 
 from bench_kernels import FULL, decode_bytes, decode_case  # noqa: E402
 from steps.step17.kernels.decode import choose_num_splits, decode_reference, flash_decode, paged_decode_v2  # noqa: E402
-from shared.anatomy import kernel_ms  # noqa: E402
+from shared.anatomy import copy_gb_per_s, kernel_ms  # noqa: E402
 
 
 def graphed(fn):
@@ -45,10 +45,8 @@ def main() -> None:
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     for _ in range(200):  # raise the clocks before the first measurement
         a @ a
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() * 2 / triton.testing.do_bench(lambda: dst.copy_(src)) / 1e6
-    del a, src, dst
+    del a
+    copy_gbs = copy_gb_per_s(device)  # a 1 GiB copy
     q, k_cache, v_cache, tables, lens = decode_case(cfg, 1, ctx, torch.bfloat16, device, seed=0)
     scale = cfg["head_dim"] ** -0.5
     splits = choose_num_splits(1, cfg["kv_heads"], ctx, num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
