@@ -24,6 +24,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.anatomy import copy_gb_per_s  # noqa: E402
+from shared.models import DEFAULT_MODEL  # noqa: E402
 from shared.params import SamplingParams  # noqa: E402
 
 STANDARD_QUESTIONS = [
@@ -437,7 +438,7 @@ def main() -> None:
     which.add_argument("--hf", nargs="?", const="generate", choices=sorted(HF_BASELINES), metavar="{generate,cb}",
                        help="measure an HF transformers baseline on the same workload instead: generate (the default: "
                             "one left-padded batch through model.generate) or cb (its continuous batching manager)")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--workload", default="standard", choices=sorted(WORKLOADS))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 
+from shared.models import DEFAULT_MODEL
+
 DEFAULT_QUESTION = "What is the capital of France?"
 ANSWER_MAX_TOKENS = 64
 
@@ -45,8 +47,8 @@ def question(text: str) -> str:
 def step_arg_parser(description: str, lesson_tokens: int, lesson_tokens_min: int = 1) -> argparse.ArgumentParser:
     """The options every step takes. --max-tokens is the answer's length; --lesson-tokens the figure's work."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--model", default="smollm2-135m",
-                        help="smollm2-135m (embedded), random:<shape> or a local folder (default: %(default)s)")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"{DEFAULT_MODEL} (embedded), random:<shape> or a local folder (default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on cuda, fp32 on cpu)")
     parser.add_argument("--prompt", type=question, default=DEFAULT_QUESTION,

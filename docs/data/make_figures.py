@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from shared import SamplingParams  # noqa: E402
+from shared import DEFAULT_MODEL, SamplingParams  # noqa: E402
 from shared.cli import per_token_ms  # noqa: E402
 from shared.prompts import QUESTIONS  # noqa: E402
 from steps.step08.run import contiguous_reservation  # noqa: E402  (the rule step08's figure uses)
@@ -190,7 +190,7 @@ MEASURES = {"ms_per_token": ms_per_token, "batch_size": batch_size, "timeline": 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--only", default=None, help="comma-separated measures (default: all)")
     args = parser.parse_args()
@@ -204,7 +204,7 @@ def main() -> None:
         start = time.perf_counter()
         result = MEASURES[name](args.model, args.device)
         result["meta"] = {
-            "command": f"python docs/data/make_figures.py --only {name}" + (f" --model {args.model}" if args.model != "smollm2-135m" else ""),
+            "command": f"python docs/data/make_figures.py --only {name}" + (f" --model {args.model}" if args.model != DEFAULT_MODEL else ""),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": f"{args.device} ({platform.machine()}, {torch.get_num_threads()} torch threads), fp32" if args.device == "cpu" else args.device,
             "model": args.model, "torch": torch.__version__, "git_commit": commit,
