@@ -147,7 +147,7 @@ def test_flash_decode_matches_reference_and_v2(block_size, num_heads, kv_heads, 
     case = make_case(block_size, num_heads, kv_heads, 64, torch.float32)
     out = flash_decode(**case, num_splits=num_splits, block_n=BLOCK_N)
     assert out.dtype == torch.float32 and out.is_contiguous() and not out.isnan().any()
-    torch.testing.assert_close(out, decode_reference(**case), **TOL[torch.float32])
+    torch.testing.assert_close(out, step17.decode_reference(**case), **TOL[torch.float32])
     torch.testing.assert_close(out, paged_decode_v2(**case, block_n=BLOCK_N), **TOL[torch.float32])
     torch.testing.assert_close(out, step17.paged_decode_v2(**case, block_n=BLOCK_N), **TOL[torch.float32])
 
@@ -162,12 +162,12 @@ def test_flash_decode_more_shapes(block_size, num_heads, kv_heads, head_dim, dty
     case = make_case(block_size, num_heads, kv_heads, head_dim, dtype)
     out = flash_decode(**case, num_splits=num_splits, block_n=BLOCK_N)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, decode_reference(**case), **TOL[dtype])
+    torch.testing.assert_close(out, step17.decode_reference(**case), **TOL[dtype])
 
 
 def test_flash_decode_default_tile():
     case = make_case(64, 6, 2, 64, torch.float32)  # BLOCK_N 64: tiles of one whole block each
-    torch.testing.assert_close(flash_decode(**case, num_splits=3), decode_reference(**case), **TOL[torch.float32])
+    torch.testing.assert_close(flash_decode(**case, num_splits=3), step17.decode_reference(**case), **TOL[torch.float32])
 
 
 def test_choose_num_splits_examples():

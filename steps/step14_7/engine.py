@@ -170,7 +170,7 @@ class LLM:
         with timer("schedule"):
             finished = [seq for seq in scheduled if seq.finish is not None]
             for seq in finished:
-                self.scheduler.finish(seq)  # its blocks go back to the free list
+                self.scheduler.finish(seq)  # its blocks are released: free again, or evictable if cached
         with timer("detokenize"):
             return [seq.to_output() for seq in finished]
 

@@ -101,7 +101,6 @@ class AttentionMetadata:
     (prefill chunks and decodes alike), sequence i's tokens at [cu_seqlens_q[i], cu_seqlens_q[i + 1])."""
 
     cu_seqlens_q: list[int]  # [S + 1]: where each sequence's new tokens start in the flat batch (0, ..., N)
-    cu_seqlens_k: list[int]  # [S + 1]: the same over each sequence's whole context (cached + new tokens)
     slot_mapping: torch.Tensor  # [N]: where each new token's K/V go, as a flat slot: block * block_size + offset
     context_slots: list[torch.Tensor]  # per sequence: the flat slots of all its tokens so far, in order
     masks: list[torch.Tensor | None]  # per sequence: the causal mask of a prefill chunk; None for a decode

@@ -96,15 +96,14 @@ class ModelRunner:
         """The attention metadata of S sequences with query_lens[i] new tokens each: cumulative lengths, the slot
         mapping, each sequence's context slots and causal mask, computed once here for every layer."""
         block_size = block_size or self.kv_cache.data.shape[3]
-        cu_q, cu_k = [0], [0]
-        for start, n in zip(starts, query_lens):
+        cu_q = [0]
+        for n in query_lens:
             cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + start + n)
         slots = torch.tensor(slot_mapping(starts, query_lens, block_tables, block_size), device=self.device)
         context = [context_slots(table, start + n, block_size, self.device)
                    for start, n, table in zip(starts, query_lens, block_tables)]
         masks = [causal_mask(start, n, self.device) for start, n in zip(starts, query_lens)]  # None for decodes
-        return AttentionMetadata(cu_q, cu_k, slots, context, masks)
+        return AttentionMetadata(cu_q, slots, context, masks)
 
     def execute(self, decodes: list[Sequence], chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run the scheduled work in one forward: the decodes and every prefill chunk side by side in one flat

@@ -100,7 +100,6 @@ class PrefillMetadata:
     """The prefill chunks of a step, as the kernel reads them: sequences first .. S - 1 of the flat batch, whose
     tokens start at token_start (the decodes come first). Tensors on the device, int32."""
 
-    first: int  # index of the first prefill sequence
     token_start: int  # index of its first token in the flat batch
     block_tables: torch.Tensor  # [P, max_blocks]
     cu_seqlens_q: torch.Tensor  # [P + 1], from 0 at token_start
@@ -114,7 +113,6 @@ class AttentionMetadata:
     (prefill chunks and decodes alike), sequence i's tokens at [cu_seqlens_q[i], cu_seqlens_q[i + 1])."""
 
     cu_seqlens_q: list[int]  # [S + 1]: where each sequence's new tokens start in the flat batch (0, ..., N)
-    cu_seqlens_k: list[int]  # [S + 1]: the same over each sequence's whole context (cached + new tokens)
     slot_mapping: torch.Tensor  # [N]: where each new token's K/V go, as a flat slot: block * block_size + offset
     context_slots: list[torch.Tensor]  # per looped sequence: the flat slots of all its tokens so far, in order
     masks: list[torch.Tensor | None]  # per looped sequence: a prefill chunk's causal mask; None for a decode
@@ -166,7 +164,7 @@ class CausalLM:
         # The decodes (or, on the torch path, every sequence) attend one by one; the prefill chunks in one kernel.
         outputs = []
         kernel = attn.prefill is not None and self.attention_backend == "triton"
-        for i in range(attn.prefill.first if kernel else attn.num_seqs):  # decodes (or all, on the torch path)
+        for i in range(len(attn.context_slots)):  # the looped sequences: the decodes (or all, on the torch path)
             keys = gather_kv(k_cache, attn.context_slots[i])  # [context, kv_heads, head_dim]
             values = gather_kv(v_cache, attn.context_slots[i])
             q_i = q[attn.cu_seqlens_q[i]:attn.cu_seqlens_q[i + 1]]  # this sequence's new tokens: [T_i, heads, head_dim]

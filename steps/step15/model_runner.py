@@ -94,7 +94,7 @@ class ModelRunner:
         metadata = self._metadata([seq.num_computed_tokens for seq, _ in work], [n for _, n in work],
                                   [seq.block_table for seq, _ in work], loop_seqs=first if kernel else None)
         if kernel:
-            metadata.prefill = self._prefill_metadata(work[first:], first, metadata.cu_seqlens_q[first])
+            metadata.prefill = self._prefill_metadata(work[first:], metadata.cu_seqlens_q[first])
         return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), metadata)
 
     def _metadata(self, starts: list[int], query_lens: list[int], block_tables: list[list[int]], block_size=None,
@@ -104,17 +104,16 @@ class ModelRunner:
         how many sequences (the first ones) attend in the per-sequence loop (None: all); the kernel's sequences
         need no context slots or mask."""
         block_size = block_size or self.kv_cache.data.shape[3]
-        cu_q, cu_k = [0], [0]
-        for start, n in zip(starts, query_lens):
+        cu_q = [0]
+        for n in query_lens:
             cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + start + n)
         slots = torch.tensor(slot_mapping(starts, query_lens, block_tables, block_size), device=self.device)
         looped = list(zip(starts, query_lens, block_tables))[:loop_seqs]
         context = [context_slots(table, start + n, block_size, self.device) for start, n, table in looped]
         masks = [causal_mask(start, n, self.device) for start, n, _ in looped]  # None for decodes
-        return AttentionMetadata(cu_q, cu_k, slots, context, masks)
+        return AttentionMetadata(cu_q, slots, context, masks)
 
-    def _prefill_metadata(self, work, first: int, token_start: int) -> PrefillMetadata:
+    def _prefill_metadata(self, work, token_start: int) -> PrefillMetadata:
         """The prefill chunks as the kernel reads them: int32 tensors of their block tables (padded), query
         offsets and context lengths."""
         widest = max(len(seq.block_table) for seq, _ in work)
@@ -124,7 +123,7 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         lens = [seq.num_computed_tokens + n for seq, n in work]
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
-        return PrefillMetadata(first, token_start, as_tensor(tables), as_tensor(cu), as_tensor(lens),
+        return PrefillMetadata(token_start, as_tensor(tables), as_tensor(cu), as_tensor(lens),
                                max(n for _, n in work))
 
     def execute(self, decodes: list[Sequence], chunks: list[tuple[Sequence, int]]) -> torch.Tensor:

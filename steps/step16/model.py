@@ -100,7 +100,6 @@ class PrefillMetadata:
     """The prefill chunks of a step, as the kernel reads them: sequences first .. S - 1 of the flat batch, whose
     tokens start at token_start (the decodes come first). Tensors on the device, int32."""
 
-    first: int  # index of the first prefill sequence
     token_start: int  # index of its first token in the flat batch
     block_tables: torch.Tensor  # [P, max_blocks]
     cu_seqlens_q: torch.Tensor  # [P + 1], from 0 at token_start
@@ -124,7 +123,6 @@ class AttentionMetadata:
     (prefill chunks and decodes alike), sequence i's tokens at [cu_seqlens_q[i], cu_seqlens_q[i + 1])."""
 
     cu_seqlens_q: list[int]  # [S + 1]: where each sequence's new tokens start in the flat batch (0, ..., N)
-    cu_seqlens_k: list[int]  # [S + 1]: the same over each sequence's whole context (cached + new tokens)
     slot_mapping: torch.Tensor  # [N]: where each new token's K/V go, as a flat slot: block * block_size + offset
     context_slots: list[torch.Tensor]  # per looped sequence: the flat slots of all its tokens so far, in order
     masks: list[torch.Tensor | None]  # per looped sequence: a prefill chunk's causal mask; None for a decode

@@ -75,7 +75,7 @@ class ModelRunner:
         metadata = self._metadata([0], [num_tokens], [list(range(num_blocks))], block_size)
         if self.model.attention_backend == "triton":  # profile the path that will run: the prefill kernel
             as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
-            metadata.prefill = PrefillMetadata(0, 0, as_tensor([list(range(num_blocks))]), as_tensor([0, num_tokens]),
+            metadata.prefill = PrefillMetadata(0, as_tensor([list(range(num_blocks))]), as_tensor([0, num_tokens]),
                                                as_tensor([num_tokens]), num_tokens)
         self.model.forward(input_ids, positions, metadata)
         torch.cuda.synchronize(self.device)
@@ -103,7 +103,7 @@ class ModelRunner:
             tables, _, lens = self._kernel_tensors(work[:first])
             metadata.decode = DecodeMetadata(first, tables, lens)
         if kernels and first < len(work):
-            metadata.prefill = self._prefill_metadata(work[first:], first, metadata.cu_seqlens_q[first])
+            metadata.prefill = self._prefill_metadata(work[first:], metadata.cu_seqlens_q[first])
         return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), metadata)
 
     def _metadata(self, starts: list[int], query_lens: list[int], block_tables: list[list[int]], block_size=None,
@@ -113,15 +113,14 @@ class ModelRunner:
         how many sequences (the first ones) attend in the per-sequence loop (None: all); the kernel's sequences
         need no context slots or mask."""
         block_size = block_size or self.kv_cache.data.shape[3]
-        cu_q, cu_k = [0], [0]
-        for start, n in zip(starts, query_lens):
+        cu_q = [0]
+        for n in query_lens:
             cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + start + n)
         slots = torch.tensor(slot_mapping(starts, query_lens, block_tables, block_size), device=self.device)
         looped = list(zip(starts, query_lens, block_tables))[:loop_seqs]
         context = [context_slots(table, start + n, block_size, self.device) for start, n, table in looped]
         masks = [causal_mask(start, n, self.device) for start, n, _ in looped]  # None for decodes
-        return AttentionMetadata(cu_q, cu_k, slots, context, masks)
+        return AttentionMetadata(cu_q, slots, context, masks)
 
     def _kernel_tensors(self, work):
         """(sequence, new tokens) pairs -> the int32 device tensors the kernels read: block tables padded to the
@@ -135,9 +134,9 @@ class ModelRunner:
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
         return as_tensor(tables), as_tensor(cu), as_tensor(lens)
 
-    def _prefill_metadata(self, work, first: int, token_start: int) -> PrefillMetadata:
+    def _prefill_metadata(self, work, token_start: int) -> PrefillMetadata:
         """The prefill chunks as the flash-attention kernel reads them."""
-        return PrefillMetadata(first, token_start, *self._kernel_tensors(work), max(n for _, n in work))
+        return PrefillMetadata(token_start, *self._kernel_tensors(work), max(n for _, n in work))
 
     def execute(self, decodes: list[Sequence], chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run the scheduled work in one forward: the decodes and every prefill chunk side by side in one flat

@@ -32,7 +32,7 @@ class Block:
     """One block of the pool: who holds it and, once it is full, computed and cached, what it holds."""
 
     block_id: int
-    ref_count: int = 0  # how many block tables hold it; 0 = on the free list
+    ref_count: int = 0  # how many block tables hold it; 0 = nobody: in `empty` or `evictable`
     hash: int | None = None  # its chained hash while it is in the prefix cache, else None
     parent: int | None = None  # the block before it when it was computed (None: the first block of a prompt)
     token_ids: tuple[int, ...] = ()  # the tokens it holds; a hit must match them and the parent, not only the hash

@@ -7,7 +7,7 @@ arrival order. A long prompt is prefilled over several iterations and never stal
 
 Preemption: KV memory is a pool of blocks (block_manager.py). A request joins only when blocks for its
 tokens are free; it takes one more block each time its last one fills up. When a decode needs a block
-and none is free, the newest running request is preempted: its blocks go back to the free list and it
+and none is free, the newest running request is preempted: its blocks are released and it
 goes back to the front of the queue, to be recomputed from its tokens later.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Scheduler:
         for r in [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]:
             if len(decodes) == budget:
                 break
-            if r in self.running and self._make_room(r, r.num_tokens):  # r may itself have been preempted
+            if r in self.running and self._make_room(r):  # r may itself have been preempted
                 decodes.append(r)
         budget -= len(decodes)
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -76,7 +76,7 @@ class Scheduler:
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
 
-    def _make_room(self, request, needed: int) -> bool:
+    def _make_room(self, request) -> bool:
         """Give request room for its newest token (block_manager.append), preempting the newest requests if no
         block is free. False if request itself had to be preempted."""
         while not self.block_manager.can_append(request):

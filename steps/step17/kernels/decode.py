@@ -16,21 +16,16 @@ all read KV head h.
 
 Three versions of the same math, out = softmax(q·Kᵀ · scale) · V per (sequence, query head):
 
-- decode_reference: plain torch, sequence by sequence. Obviously right; the other two are tested against it.
-- paged_decode_v1:  one Triton program per (sequence, query head). The exact softmax in two passes over the
-                    context: pass 1 computes every score, writes it to a scratch buffer in global memory and
-                    tracks the maximum; pass 2 reads the scores back, exponentiates and accumulates p·V.
-                    Easy to follow, but it reads each K/V byte GROUP times (once per query head sharing it) and
-                    writes and re-reads a [S, heads, context] buffer of scores.
-- paged_decode_v2:  one program per (sequence, KV head) computing all GROUP query heads of that KV head at once,
-                    so each K/V byte leaves memory once; a single pass with the online softmax, so no scores are
-                    stored. This is the one the engine uses.
+- decode_reference: plain torch, sequence by sequence. Obviously right; the kernels are tested against it.
+- paged_decode_v2:  step16's kernel: one program per (sequence, KV head) computing all GROUP query heads of that
+                    KV head at once, so each K/V byte leaves memory once; a single pass with the online softmax,
+                    so no scores are stored. The engine runs it when a context is not split.
+- flash_decode:     step17's, below: the same program cut into parts of the context, and a merge.
 
 All accumulation is in fp32; the output has q's dtype. On the CPU, Triton's interpreter (TRITON_INTERPRET=1) runs
 the kernels for fp32 and fp16; v2 refuses bf16 there (the interpreter's tl.dot gets bf16 wrong).
 
-step17 adds a fourth, below the other three: flash_decode. Flash decoding: split each sequence's context across
-several programs, then merge the parts.
+Flash decoding: split each sequence's context across several programs, then merge the parts.
 
 paged_decode_v2 runs one program per (sequence, KV head). At batch 64 with 8 KV heads that is 512 programs,
 plenty for a GPU with 132 multiprocessors (SMs). At batch 1 it is 8 programs: 8 SMs stream the whole context
@@ -145,73 +140,6 @@ def decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
 if triton is not None:
 
     # ----------------------------------------------------------------------------------------------------------
-    # v1: one program per (sequence, query head); exact softmax over scores materialised in global memory
-    # ----------------------------------------------------------------------------------------------------------
-
-    @triton.jit
-    def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, scores_ptr, block_tables_ptr, seq_lens_ptr, scale,
-                          stride_qs, stride_qh,
-                          stride_kb, stride_kt, stride_kh,
-                          stride_vb, stride_vt, stride_vh,
-                          stride_os, stride_oh,
-                          stride_ss, stride_sh,
-                          stride_bt,
-                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        """Program (seq, head) computes out[seq, head, :].
-
-        Reads:  q[seq, head, :]; for each logical block b < cdiv(seq_len, BLOCK_SIZE), the physical block
-                block_tables[seq, b], and in it K and V of KV head head // GROUP (BLOCK_SIZE x HEAD_DIM each).
-        Writes: scores[seq, head, 0:seq_len] (its own row of the scratch buffer), then out[seq, head, :].
-        """
-        seq = tl.program_id(0)
-        head = tl.program_id(1)
-        kv_head = head // GROUP
-        seq_len = tl.load(seq_lens_ptr + seq)
-        num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-
-        dims = tl.arange(0, HEAD_DIM)
-        slots = tl.arange(0, BLOCK_SIZE)  # the token slots of one cache block
-        q = tl.load(q_ptr + seq * stride_qs + head * stride_qh + dims).to(tl.float32)  # [HEAD_DIM]
-        scores_row = scores_ptr + seq * stride_ss + head * stride_sh
-
-        # Pass 1: s_j = scale * q·k_j for every context token j, stored to scores_row[j]. We also need
-        # max_j s_j. Each of the BLOCK_SIZE lanes keeps the maximum of the scores it has seen (m_lanes);
-        # one reduction at the end gives the maximum over all of them.
-        m_lanes = tl.full([BLOCK_SIZE], float("-inf"), tl.float32)
-        for b in range(0, num_blocks):
-            block = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)  # logical -> physical
-            pos = b * BLOCK_SIZE + slots  # the tokens' positions in the sequence
-            valid = pos < seq_len         # the last block may be partly filled
-            k = tl.load(k_ptr + block * stride_kb + slots[:, None] * stride_kt + kv_head * stride_kh
-                        + dims[None, :], mask=valid[:, None], other=0.0).to(tl.float32)  # [BLOCK_SIZE, HEAD_DIM]
-            s = tl.sum(k * q[None, :], axis=1) * scale  # [BLOCK_SIZE]: one dot product per key
-            s = tl.where(valid, s, float("-inf"))
-            tl.store(scores_row + pos, s, mask=valid)
-            m_lanes = tl.maximum(m_lanes, s)
-        m = tl.max(m_lanes, axis=0)  # the maximum score
-
-        # Pass 2 reads what pass 1 wrote. The threads that read scores_row[j] need not be the ones that wrote
-        # it, so all of the program's threads must finish their stores first: a barrier (__syncthreads).
-        tl.debug_barrier()
-
-        # Pass 2: p_j = exp(s_j - m) (<= 1, so no overflow), l = sum_j p_j, acc = sum_j p_j * v_j.
-        l_lanes = tl.zeros([BLOCK_SIZE], tl.float32)
-        acc = tl.zeros([HEAD_DIM], tl.float32)
-        for b in range(0, num_blocks):
-            block = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
-            pos = b * BLOCK_SIZE + slots
-            valid = pos < seq_len
-            s = tl.load(scores_row + pos, mask=valid, other=float("-inf"))
-            p = tl.exp(s - m)  # exp(-inf) = 0 for the empty slots
-            l_lanes += p
-            v = tl.load(v_ptr + block * stride_vb + slots[:, None] * stride_vt + kv_head * stride_vh
-                        + dims[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            acc += tl.sum(p[:, None] * v, axis=0)  # [HEAD_DIM]
-        l = tl.sum(l_lanes, axis=0)
-        out = acc / tl.where(l > 0, l, 1.0)  # l > 0 whenever seq_len >= 1; an empty sequence gives 0, not NaN
-        tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
-
-    # ----------------------------------------------------------------------------------------------------------
     # v2: one program per (sequence, KV head), all GROUP query heads at once, online softmax in one pass
     # ----------------------------------------------------------------------------------------------------------
 
@@ -284,37 +212,6 @@ if triton is not None:
 def _require_triton():
     if triton is None:
         raise RuntimeError("Triton is not installed: only decode_reference is available")
-
-
-def paged_decode_v1(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    """Decode attention, v1: grid (num_seqs, num_heads), exact two-pass softmax through a scratch buffer.
-
-    The scratch buffer is fp32 [num_seqs, num_heads, max_blocks_per_seq * block_size]: room for every score of
-    the longest context the block table can describe (no GPU -> CPU copy of seq_lens needed to size it).
-    block_size must be a power of two (one tl.arange over a block's slots). Returns [num_seqs, num_heads, D].
-    """
-    _require_triton()
-    _check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if block_size & (block_size - 1):
-        raise ValueError(f"paged_decode_v1 needs a power-of-two block_size, got {block_size}")
-    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_seqs == 0:
-        return out
-    max_context = block_tables.shape[1] * block_size
-    scores = torch.empty(num_seqs, num_heads, max_context, dtype=torch.float32, device=q.device)
-    _decode_v1_kernel[(num_seqs, num_heads)](
-        q, k_cache, v_cache, out, scores, block_tables, seq_lens, float(scale),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        scores.stride(0), scores.stride(1),
-        block_tables.stride(0),
-        GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        num_warps=4)
-    return out
 
 
 def paged_decode_v2(q, k_cache, v_cache, block_tables, seq_lens, scale, block_n=64, num_warps=4, num_stages=3):
