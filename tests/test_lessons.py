@@ -11,13 +11,12 @@ import functools
 
 import pytest
 
-from conftest import STEPS
 from shared import SamplingParams
 from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
+from registry import REAL, has, lesson_and_newest, previous
 
 pytestmark = pytest.mark.slow  # real-model runs: in `make test`, not in `make test-fast`
 
-REAL = "smollm2-135m"
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
              "List three uses of a paperclip."]
 MAX_TOKENS = [8, 24, 4, 16]  # unequal lengths: requests finish at different iterations
@@ -25,15 +24,6 @@ MAX_TOKENS = [8, 24, 4, 16]  # unequal lengths: requests finish at different ite
 
 def params():
     return [SamplingParams(temperature=0, max_tokens=n, logprobs=5, ignore_eos=True) for n in MAX_TOKENS]
-
-
-def where(lesson_step: str) -> list[str]:
-    """The step that introduces a lesson, and the newest step."""
-    return sorted({lesson_step, STEPS[-1]}, key=STEPS.index) if lesson_step in STEPS else []
-
-
-def previous(step: str) -> str:
-    return STEPS[STEPS.index(step) - 1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,7 +59,7 @@ def run_stepwise(llm, prompts, sps):
     return [done[i].outputs[0] for i in ids], running_sets
 
 
-@pytest.mark.parametrize("step", where("step05"))
+@pytest.mark.parametrize("step", lesson_and_newest("scheduler"))
 def test_continuous_batching_joins_mid_batch(step):
     llm = load_engine(step).LLM(REAL, device="cpu", max_num_seqs=2)
     prompts = [llm.tokenizer.apply_chat_template(c) for c in conversations()]
@@ -81,7 +71,7 @@ def test_continuous_batching_joins_mid_batch(step):
     assert_same_as_previous(step, outputs)
 
 
-@pytest.mark.parametrize("step", where("step06"))
+@pytest.mark.parametrize("step", lesson_and_newest("chunked_prefill"))
 def test_chunked_prefill_chunks_the_real_prompts(step):
     budget = 8
     llm = load_engine(step).LLM(REAL, device="cpu", max_num_batched_tokens=budget)
@@ -92,16 +82,16 @@ def test_chunked_prefill_chunks_the_real_prompts(step):
     assert_same_as_previous(step, outs)
 
 
-@pytest.mark.parametrize("step", where("step07"))
+@pytest.mark.parametrize("step", lesson_and_newest("preemption"))
 def test_preemption_happens_on_the_real_model(step):
-    llm = load_engine(step).LLM(REAL, device="cpu", max_kv_tokens=96, **({"block_size": 16} if step >= "step08" else {}))
+    llm = load_engine(step).LLM(REAL, device="cpu", max_kv_tokens=96, **({"block_size": 16} if has(step, "paged_kv") else {}))
     outs = [o.outputs[0] for o in llm.chat(conversations(), params())]
     assert llm.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert_same_as_previous(step, outs)
     assert not llm.scheduler.running and not llm.scheduler.waiting
 
 
-@pytest.mark.parametrize("step", where("step08"))
+@pytest.mark.parametrize("step", lesson_and_newest("paged_kv"))
 def test_paged_pool_returns_every_block(step):
     llm = load_engine(step).LLM(REAL, device="cpu", max_kv_tokens=96, block_size=16)
     outs = [o.outputs[0] for o in llm.chat(conversations(), params())]
@@ -115,7 +105,7 @@ SYSTEM_PROMPT = ("You are the assistant of a small public library. It opens at n
                  "Sundays. Members borrow up to five books for three weeks. Answer briefly and politely.")
 
 
-@pytest.mark.parametrize("step", where("step09"))
+@pytest.mark.parametrize("step", lesson_and_newest("prefix_cache"))
 def test_prefix_cache_hits_on_the_real_model(step):
     llm = load_engine(step).LLM(REAL, device="cpu", block_size=16)
     convs = conversations(SYSTEM_PROMPT)

@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import STEPS
 from shared import SamplingParams, resolve_model
 from helpers import HF_LOGITS_ATOL_FP32, load_engine
+from registry import having, previous
 
-FAMILIES = STEPS[STEPS.index("step10"):] if "step10" in STEPS else []
+FAMILIES = having("model_families")
 # The HF oracle feeds the model one token at a time through its step10-13 forward signature, so it runs on
 # step13; step14 and later change that signature and are chained to step13 on Qwen3 by tests/test_part5.py.
-NEWEST = [s for s in FAMILIES if s <= "step13"][-1:]
+NEWEST = having("model_families", "pool_forward")[-1:]
 PROMPT = [(i * 7919) % 49152 for i in range(1, 41)]  # 40 token ids, spread over the vocabulary
 
 
@@ -114,7 +114,7 @@ def test_unsupported_checkpoints_are_refused(step, tmp_path):
 
 # ---- step11: the KV pool sized from the device's memory ------------------------------------------
 
-MEMORY = STEPS[STEPS.index("step11"):] if "step11" in STEPS else []
+MEMORY = having("memory_sizing")
 
 
 def kv_cache(llm):
@@ -180,7 +180,7 @@ def test_gpu_pool_fits_in_its_share(step):
 
 # ---- step12: one sampler call per step, incremental detokenizer ----------------------------------
 
-BATCHED = STEPS[STEPS.index("step12"):] if "step12" in STEPS else []
+BATCHED = having("batched_sampler")
 MULTILINGUAL = ["Paris est la capitale de la France — déjà vu.", "分页注意力把缓存切成块。", "Emoji: 🧠📦🚀👩‍👩‍👧",
                 "Mixed: naïve café 東京 🍣 and ümlaut, then ASCII again."]
 
@@ -210,7 +210,7 @@ def test_incremental_text_equals_full_decode(step):
 
 @pytest.mark.parametrize("step", BATCHED)
 def test_stop_strings_cut_where_the_previous_step_cuts(step):
-    prev = STEPS[STEPS.index(step) - 1]
+    prev = previous(step)
     free = load_engine(prev).LLM("random:tiny-llama", device="cpu").generate(
         [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
     stops = [free[i:i + n] for i, n in ((3, 1), (10, 4), (25, 7), (len(free) // 2, 3), (len(free) - 6, 6))
@@ -263,7 +263,7 @@ def test_batched_draws_follow_each_rows_distribution(step):
 
 # ---- step13: where the time goes -------------------------------------------------------------------
 
-MEASURED = STEPS[STEPS.index("step13"):] if "step13" in STEPS else []
+MEASURED = having("phase_timers")
 
 
 @pytest.mark.parametrize("step", MEASURED)
