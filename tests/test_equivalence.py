@@ -16,6 +16,9 @@ from registry import REAL, TINY, real_model_steps
 from shared import resolve_model
 
 MODELS = [REAL, TINY]
+# step01's greedy outputs (about 30 s on the real model: step01 re-runs the whole sequence per token) are computed
+# once per test process; the tests that read them run on the worker that runs step01's other tests.
+ON_STEP01S_WORKER = pytest.mark.xdist_group(STEPS[0])
 
 
 @functools.lru_cache(maxsize=2)
@@ -25,6 +28,7 @@ def hf_model(model: str):
     return AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32).eval()
 
 
+@ON_STEP01S_WORKER
 @pytest.mark.parametrize("model", MODELS)
 def test_step01_logits_match_hf(model):
     llm = cached_llm(STEPS[0], model)
@@ -40,6 +44,7 @@ def test_step01_logits_match_hf(model):
     assert worst <= HF_LOGITS_ATOL_FP32
 
 
+@ON_STEP01S_WORKER
 @pytest.mark.parametrize("model", MODELS)
 def test_step01_greedy_matches_hf_generate(model):
     llm = cached_llm(STEPS[0], model)
@@ -52,6 +57,7 @@ def test_step01_greedy_matches_hf_generate(model):
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
 
 
+@ON_STEP01S_WORKER
 @pytest.mark.parametrize("model", MODELS)
 def test_golden_file_is_step01s_output(model):
     """The file is what step01 gives today, top-5 candidates included (regenerate: python tests/golden.py)."""

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT, STEPS
+from registry import part_ends
 
 # The tiny random model, a short answer and a small figure: the scripts' plumbing, not the model, is tested.
 # (--lesson-tokens 9: step03's minimum, the largest of all steps.)
@@ -28,13 +29,29 @@ def run(*args, timeout=300):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow
+def run_in_this_process(step: str, argv: list[str], capsys, monkeypatch) -> str:
+    """steps/<step>/run.py run as `python steps/<step>/run.py argv...` would run it, inside this test process
+    (runpy, patched argv): no interpreter start and no second import of torch and transformers. -> its stdout."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [f"steps/{step}/run.py", *argv])
+    capsys.readouterr()
+    runpy.run_module(f"steps.{step}.run", run_name="__main__", alter_sys=True)
+    return capsys.readouterr().out
+
+
 @pytest.mark.parametrize("step", STEPS)
-def test_run_py(step):
-    proc = run(f"steps/{step}/run.py", *TINY)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_run_py(step, capsys, monkeypatch):
+    """Every step's run.py runs to its end. The last step of each Part runs as the real command, in a fresh
+    process (its own imports, its own argument parsing, its exit status); the others in this process."""
+    if step in part_ends():
+        proc = run(f"steps/{step}/run.py", *TINY)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = proc.stdout
+    else:
+        out = run_in_this_process(step, TINY, capsys, monkeypatch)
     for word in ("model: random:tiny-llama", "device: cpu", "dtype: float32", "backend:", "\nQ: ", "\nA: "):
-        assert word in proc.stdout
+        assert word in out
 
 
 def test_every_step_folder_is_complete():
