@@ -99,7 +99,7 @@ def test_vectorized_write_equals_the_loop(step, case):
         slots = new.slot_mapping([start] * rows, [new_tokens] * rows, block_tables, block_size)
     else:
         slots = new.slot_mapping([start] * rows, new_tokens, block_tables, block_size)
-    new.write_kv(got, torch.tensor(slots), values.reshape(-1, 2, 4))
+    new.write_kv(got, torch.as_tensor(slots), values.reshape(-1, 2, 4))
     assert torch.equal(got, expected)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import accumulate, chain
 from pathlib import Path
 
 import torch
@@ -209,15 +210,15 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.view(kv_heads, group, T, head_dim).permute(2, 0, 1, 3).reshape(T, heads * head_dim)
 
 
-def slot_mapping(start_positions: list[int], num_new: int, block_tables: list[list[int]], block_size: int) -> list[int]:
+def slot_mapping(start_positions: list[int], num_new: int, block_tables: list[list[int]], block_size: int) -> torch.Tensor:
     """The flat cache slot of every new token, row after row: position p of a sequence lives in its block
     block_table[p // block_size], at offset p % block_size; flat, that is block * block_size + offset.
-    Computed once per step (by the model runner), read by every layer."""
-    slots = []
-    for start, block_table in zip(start_positions, block_tables):
-        for position in range(start, start + num_new):
-            slots.append(block_table[position // block_size] * block_size + position % block_size)
-    return slots
+    Computed once per step (by the model runner), read by every layer; by tensor ops, not a loop over tokens."""
+    positions = torch.tensor(start_positions)[:, None] + torch.arange(num_new)  # [B, num_new]
+    flat_tables = torch.tensor(list(chain.from_iterable(block_tables)))  # every row's blocks, row after row
+    table_start = torch.tensor(list(accumulate(map(len, block_tables), initial=0))[:-1])  # [B]: row's first block
+    blocks = flat_tables[table_start[:, None] + positions // block_size]  # [B, num_new]
+    return (blocks * block_size + positions % block_size).flatten()  # int64 [B * num_new], on the CPU
 
 
 def write_kv(cache_layer: torch.Tensor, slot_mapping: torch.Tensor, new: torch.Tensor) -> None:

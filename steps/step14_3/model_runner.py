@@ -28,6 +28,14 @@ def kv_pool_blocks(total_bytes: int, gpu_memory_utilization: float, used_bytes: 
     return max(int(total_bytes * gpu_memory_utilization) - used_bytes, 0) // bytes_per_block
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor built on the CPU -> device. On CUDA: one copy from pinned (page-locked) memory, queued without
+    making the CPU wait (the GPU runs it before the kernels that read the tensor). On the CPU: no copy at all."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, timers, stats: dict):
         self.model, self.device, self.dtype = model, device, dtype
@@ -83,15 +91,15 @@ class ModelRunner:
     # ---- one engine step ----------------------------------------------------------------------------------
     def prepare_decode(self, seqs: list[Sequence]):
         """B sequences that decode one token each -> input ids and positions [B, 1], and their metadata."""
-        input_ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
-        positions = torch.tensor([[s.num_computed_tokens] for s in seqs], device=self.device)
+        input_ids = to_device(torch.tensor([[s.token_ids[-1]] for s in seqs]), self.device)
+        positions = to_device(torch.tensor([[s.num_computed_tokens] for s in seqs]), self.device)
         return input_ids, positions, self._metadata([s.num_computed_tokens for s in seqs], 1,
                                                     [s.block_table for s in seqs])
 
     def prepare_prefill(self, seq: Sequence, n: int):
         """The next n prompt tokens of one sequence -> input ids and positions [1, n], and its metadata."""
         start = seq.num_computed_tokens
-        input_ids = torch.tensor([seq.token_ids[start:start + n]], device=self.device)
+        input_ids = to_device(torch.tensor([seq.token_ids[start:start + n]]), self.device)
         positions = torch.arange(start, start + n, device=self.device)[None]
         return input_ids, positions, self._metadata([start], n, [seq.block_table])
 
@@ -99,7 +107,7 @@ class ModelRunner:
         """The attention metadata of B rows of num_new tokens each, with the slot mapping and each row's context slots
         computed once here."""
         block_size = block_size or self.kv_cache.data.shape[3]
-        slots = torch.tensor(slot_mapping(starts, num_new, block_tables, block_size), device=self.device)
+        slots = to_device(slot_mapping(starts, num_new, block_tables, block_size), self.device)
         context = [context_slots(table, start + num_new, block_size, self.device)
                    for start, table in zip(starts, block_tables)]
         return AttentionMetadata(starts, block_tables, slots, context)

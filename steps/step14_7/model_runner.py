@@ -28,6 +28,14 @@ def kv_pool_blocks(total_bytes: int, gpu_memory_utilization: float, used_bytes: 
     return max(int(total_bytes * gpu_memory_utilization) - used_bytes, 0) // bytes_per_block
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor built on the CPU -> device. On CUDA: one copy from pinned (page-locked) memory, queued without
+    making the CPU wait (the GPU runs it before the kernels that read the tensor). On the CPU: no copy at all."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, timers, stats: dict):
         self.model, self.device, self.dtype = model, device, dtype
@@ -90,7 +98,7 @@ class ModelRunner:
             positions += range(start, start + n)
         metadata = self._metadata([seq.num_computed_tokens for seq, _ in work], [n for _, n in work],
                                   [seq.block_table for seq, _ in work])
-        return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), metadata)
+        return to_device(torch.tensor(ids), self.device), to_device(torch.tensor(positions), self.device), metadata
 
     def _metadata(self, starts: list[int], query_lens: list[int], block_tables: list[list[int]], block_size=None):
         """The attention metadata of S sequences with query_lens[i] new tokens each: cumulative lengths, the slot
@@ -99,7 +107,7 @@ class ModelRunner:
         cu_q = [0]
         for n in query_lens:
             cu_q.append(cu_q[-1] + n)
-        slots = torch.tensor(slot_mapping(starts, query_lens, block_tables, block_size), device=self.device)
+        slots = to_device(slot_mapping(starts, query_lens, block_tables, block_size), self.device)
         context = [context_slots(table, start + n, block_size, self.device)
                    for start, n, table in zip(starts, query_lens, block_tables)]
         masks = [causal_mask(start, n, self.device) for start, n in zip(starts, query_lens)]  # None for decodes

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import accumulate, chain
 from pathlib import Path
 
 import torch
@@ -249,15 +250,18 @@ def causal_mask(start: int, num_new: int, device) -> torch.Tensor | None:
 
 
 def slot_mapping(start_positions: list[int], query_lens: list[int], block_tables: list[list[int]],
-                 block_size: int) -> list[int]:
+                 block_size: int) -> torch.Tensor:
     """The flat cache slot of every new token, sequence after sequence: position p of a sequence lives in its
     block block_table[p // block_size], at offset p % block_size; flat, that is block * block_size + offset.
-    Computed once per step (by the model runner), read by every layer."""
-    slots = []
-    for start, num_new, block_table in zip(start_positions, query_lens, block_tables):
-        for position in range(start, start + num_new):
-            slots.append(block_table[position // block_size] * block_size + position % block_size)
-    return slots
+    Computed once per step (by the model runner), read by every layer; by tensor ops, not a loop over tokens."""
+    lens = torch.tensor(query_lens)  # [S]
+    seq = torch.repeat_interleave(torch.arange(len(query_lens)), lens)  # [N]: the sequence of each new token
+    offset = torch.arange(len(seq)) - (lens.cumsum(0) - lens)[seq]  # [N]: 0, 1, .. within its sequence
+    positions = torch.tensor(start_positions)[seq] + offset  # [N]
+    flat_tables = torch.tensor(list(chain.from_iterable(block_tables)))  # every sequence's blocks, one after another
+    table_start = torch.tensor(list(accumulate(map(len, block_tables), initial=0))[:-1])  # [S]: its first block
+    blocks = flat_tables[table_start[seq] + positions // block_size]  # [N]
+    return blocks * block_size + positions % block_size  # int64 [N], on the CPU
 
 
 def write_kv(cache_layer: torch.Tensor, slot_mapping: torch.Tensor, new: torch.Tensor) -> None:

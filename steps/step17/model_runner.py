@@ -7,6 +7,8 @@ sees a sequence.
 """
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 
 from .model import AttentionMetadata, DecodeMetadata, PrefillMetadata, CausalLM, KVCache, causal_mask, context_slots, slot_mapping
@@ -26,6 +28,24 @@ def kv_pool_blocks(total_bytes: int, gpu_memory_utilization: float, used_bytes: 
     """The KV cache's size in blocks: the share of the device we may use, minus what the weights and the peak of
     a warm-up forward took, in whole blocks (vLLM's gpu_memory_utilization, same meaning)."""
     return max(int(total_bytes * gpu_memory_utilization) - used_bytes, 0) // bytes_per_block
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor built on the CPU -> device. On CUDA: one copy from pinned (page-locked) memory, queued without
+    making the CPU wait (the GPU runs it before the kernels that read the tensor). On the CPU: no copy at all."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def padded_block_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables of different lengths -> int32 [S, widest] on the CPU, each row padded with 0 (entries past a
+    sequence's context, never read): one tensor of all the ids, written into the rows by one boolean mask."""
+    lengths = torch.tensor([len(t) for t in tables])  # [S]
+    padded = torch.zeros(len(tables), int(lengths.max()), dtype=torch.int32)
+    padded[torch.arange(padded.shape[1]) < lengths[:, None]] = torch.tensor(list(chain.from_iterable(tables)),
+                                                                              dtype=torch.int32)
+    return padded
 
 
 class ModelRunner:
@@ -112,7 +132,7 @@ class ModelRunner:
             metadata.decode = DecodeMetadata(first, tables, lens, splits)
         if kernels and first < len(work):
             metadata.prefill = self._prefill_metadata(work[first:], metadata.cu_seqlens_q[first])
-        return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), metadata)
+        return to_device(torch.tensor(ids), self.device), to_device(torch.tensor(positions), self.device), metadata
 
     def _metadata(self, starts: list[int], query_lens: list[int], block_tables: list[list[int]], block_size=None,
                   loop_seqs: int | None = None):
@@ -124,7 +144,7 @@ class ModelRunner:
         cu_q = [0]
         for n in query_lens:
             cu_q.append(cu_q[-1] + n)
-        slots = torch.tensor(slot_mapping(starts, query_lens, block_tables, block_size), device=self.device)
+        slots = to_device(slot_mapping(starts, query_lens, block_tables, block_size), self.device)
         looped = list(zip(starts, query_lens, block_tables))[:loop_seqs]
         context = [context_slots(table, start + n, block_size, self.device) for start, n, table in looped]
         masks = [causal_mask(start, n, self.device) for start, n, _ in looped]  # None for decodes
@@ -133,14 +153,13 @@ class ModelRunner:
     def _kernel_tensors(self, work):
         """(sequence, new tokens) pairs -> the int32 device tensors the kernels read: block tables padded to the
         widest [S, max_blocks], cumulative query lengths [S + 1], context lengths after this step [S]."""
-        widest = max(len(seq.block_table) for seq, _ in work)
-        tables = [seq.block_table + [0] * (widest - len(seq.block_table)) for seq, _ in work]
+        tables = padded_block_tables([seq.block_table for seq, _ in work])  # [S, widest]
         cu = [0]
         for _, n in work:
             cu.append(cu[-1] + n)
         lens = [seq.num_computed_tokens + n for seq, n in work]
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
-        return as_tensor(tables), as_tensor(cu), as_tensor(lens)
+        as_tensor = lambda x: to_device(torch.tensor(x, dtype=torch.int32), self.device)  # noqa: E731
+        return to_device(tables, self.device), as_tensor(cu), as_tensor(lens)
 
     def _prefill_metadata(self, work, token_start: int) -> PrefillMetadata:
         """The prefill chunks as the flash-attention kernel reads them."""
