@@ -11,7 +11,7 @@ import contextlib
 import importlib
 import time
 
-from shared.cli import format_table, int_at_least, step_arg_parser
+from shared.cli import REPEATS, format_table, int_at_least, runs_differ, step_arg_parser
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
              "List three uses of a paperclip.", "Why is the sky blue?", "How do bees make honey?",
@@ -38,6 +38,7 @@ def profile_run(llm, requests: int, new_tokens: int, trace: str | None = None) -
     from shared.params import SamplingParams
 
     conversations = [[{"role": "user", "content": q}] for q in (QUESTIONS * (requests // len(QUESTIONS) + 1))]
+    llm.block_manager.reset_prefix_cache()  # every run from the same start: nothing cached
     llm.chat(conversations[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     llm.timers.reset()
     forwards = llm.stats.get("forwards", 0)
@@ -92,11 +93,16 @@ def load_llm(step: str, args, **options):
 
 
 def before_after(previous: str, this: str, llm, args, **options) -> tuple[dict, dict]:
-    """The same args.requests requests through the previous step and this one; print both profiles side by side.
-    The outputs must be equal (greedy): say so, or fail loudly. --profile traces this step's run."""
-    requests = args.requests
-    before = profile_run(load_llm(previous, args, **options), requests, args.lesson_tokens)
-    after = profile_run(llm, requests, args.lesson_tokens, trace=getattr(args, "profile", None))
+    """The same args.requests requests through the previous step and this one, REPEATS runs each (alternated, so
+    that a drift of the machine falls on both); print the median runs side by side, and call the tokens/s ratio
+    a difference only if the runs do not overlap. The outputs must be equal (greedy): say so, or fail loudly.
+    --profile traces this step's first run."""
+    requests, trace = args.requests, getattr(args, "profile", None)
+    old, befores, afters = load_llm(previous, args, **options), [], []
+    for i in range(REPEATS):
+        befores.append(profile_run(old, requests, args.lesson_tokens))
+        afters.append(profile_run(llm, requests, args.lesson_tokens, trace=trace if i == 0 else None))
+    before, after = (sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2] for runs in (befores, afters))
     rows = [[name, f"{before['ms_per_step'][name]:.2f}", f"{after['ms_per_step'][name]:.2f}",
              _ratio(before["ms_per_step"][name], after["ms_per_step"][name])] for name in after["ms_per_step"]]
     if before["forwards_per_step"] is not None:
@@ -105,14 +111,23 @@ def before_after(previous: str, this: str, llm, args, **options) -> tuple[dict, 
     rows.append(["tokens/s", f"{before['tokens_per_s']:.1f}", f"{after['tokens_per_s']:.1f}",
                  _ratio(after["tokens_per_s"], before["tokens_per_s"])])
     print(f"\n{requests} requests x {args.lesson_tokens} new tokens on {llm.device}, the same requests through "
-          f"{previous} and {this} (ms per engine step; speed-up = before / after):")
-    print(format_table(["phase", f"{previous} ms", f"{this} ms", "speed-up"], rows))
-    if before["token_ids"] != after["token_ids"]:
+          f"{previous} and {this}, {REPEATS} runs each (the median run; ms per engine step; ratio = before / after, "
+          "tokens/s: after / before):")
+    print(format_table(["phase", f"{previous} ms", f"{this} ms", "ratio"], rows))
+    if any(run["token_ids"] != before["token_ids"] for run in befores + afters):
         raise SystemExit(f"error: {this}'s outputs differ from {previous}'s on the same requests")
     print(f"The outputs are equal, token for token ({after['tokens']} tokens in {after['steps']} engine steps). "
           f"{this}'s phases cover {100 * after['phase_share']:.1f}% of its wall time.")
-    if getattr(args, "profile", None):
-        print(f"trace written: {args.profile} ({this}'s run; open it in chrome://tracing or https://ui.perfetto.dev; "
+    speeds = [[run["tokens_per_s"] for run in runs] for runs in (afters, befores)]
+    ratio = after["tokens_per_s"] / before["tokens_per_s"]
+    if runs_differ(*speeds):
+        print(f"{this} made {ratio:.2f}x {previous}'s tokens/s ({'faster' if ratio > 1 else 'slower'}: the "
+              f"{REPEATS} runs of each do not overlap).")
+    else:
+        print(f"{this} made {ratio:.2f}x {previous}'s tokens/s, within the run-to-run spread: {previous} "
+              f"{min(speeds[1]):.1f}-{max(speeds[1]):.1f}, {this} {min(speeds[0]):.1f}-{max(speeds[0]):.1f} tokens/s.")
+    if trace:
+        print(f"trace written: {trace} ({this}'s first run; open it in chrome://tracing or https://ui.perfetto.dev; "
               "the phases appear by name)")
     return before, after
 

@@ -11,7 +11,8 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 import torch
 
 from shared import SamplingParams
-from shared.cli import answer_question, format_table, int_at_least, print_header, step_arg_parser, user_errors
+from shared.cli import (REPEATS, answer_question, format_table, int_at_least, print_header, step_arg_parser,
+                        user_errors)
 
 from .detokenizer import IncrementalDetokenizer
 from .engine import LLM
@@ -59,15 +60,20 @@ def show_lesson(llm, args) -> None:
     ids = (tok.encode(TEXT) * (args.lesson_tokens // 40 + 1))[:args.lesson_tokens]
     while tok.decode(ids).endswith("\ufffd"):  # do not end inside a character split over several tokens
         ids = ids[:-1]
-    start = time.perf_counter()
-    for n in range(1, len(ids) + 1):
-        full = tok.decode(ids[:n])
-    full_ms = (time.perf_counter() - start) * 1000
-    start = time.perf_counter()
-    detok = IncrementalDetokenizer(tok)
-    for t in ids:
-        detok.add(t)
-    incremental_ms = (time.perf_counter() - start) * 1000
+
+    def decode_all():  # step11: the whole output decoded again after every token
+        for n in range(1, len(ids) + 1):
+            text = tok.decode(ids[:n])
+        return text
+
+    def incremental():
+        detok = IncrementalDetokenizer(tok)
+        for t in ids:
+            detok.add(t)
+        return detok
+
+    full_ms, incremental_ms = median_ms(decode_all, REPEATS), median_ms(incremental, REPEATS)
+    full, detok = decode_all(), incremental()
     assert detok.text == full, "the incremental text must equal the full decode"
     rows = [[f"sample {b} requests (per step)", f"{per_request:.2f}", f"{batched:.2f}", f"{per_request / batched:.1f}x"],
             [f"detokenize {len(ids)} tokens (whole request)", f"{full_ms:.0f}", f"{incremental_ms:.0f}",
@@ -75,7 +81,7 @@ def show_lesson(llm, args) -> None:
             ["detokenize, per token (mean)", f"{full_ms / len(ids):.3f}", f"{incremental_ms / len(ids):.3f}",
              f"{full_ms / incremental_ms:.1f}x"]]
     print(f"\nCPU time on {llm.device}, ms (sampling: median of 20 steps, {b} requests, 1 in 4 greedy; "
-          f"text: English, Chinese, emoji):")
+          f"text: English, Chinese, emoji, median of {REPEATS} runs):")
     print(format_table(["work", "before (step11)", "after (step12)", "speed-up"], rows))
     print(f"The incremental text equals the full decode ({len(detok.text)} characters). Full decoding costs O(n) "
           "per token, so O(n^2) per request; the window costs O(1) per token.")

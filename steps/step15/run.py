@@ -36,8 +36,8 @@ def show_lesson(llm, args) -> None:
     show_kernel(llm)
     before_after("step14_7", "step15", llm, args)
     if llm.model.attention_backend != "triton":
-        print("Both engines ran the same per-sequence loop here, so the ratio is noise; the kernels' gain needs a "
-              "GPU (the chapter has the H200's figures).")
+        print("Both engines ran the same per-sequence loop here: what the kernels change needs a GPU (the chapter "
+              "has the H200's figures).")
 
 
 def print_attention_backend(llm) -> None:

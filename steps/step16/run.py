@@ -35,10 +35,10 @@ def main() -> None:
 
 def show_lesson(llm, args) -> None:
     show_decode_kernels(llm)
-    before_after("step15", "step16", llm, args)
+    before_after("step15", "step16", llm, args, attention_backend=llm.model.attention_backend)  # the same path
     if llm.model.attention_backend != "triton":
-        print("Both engines ran the same per-sequence loop here, so the ratio is noise; the kernels' gain needs a "
-              "GPU (the chapter has the H200's figures).")
+        print("Both engines ran the same per-sequence loop here: what the kernels change needs a GPU (the chapter "
+              "has the H200's figures).")
 
 
 def print_attention_backend(llm) -> None:

@@ -34,10 +34,10 @@ def main() -> None:
 
 def show_lesson(llm, args) -> None:
     show_flash_decoding(llm)
-    before_after("step16", "step17", llm, args)
+    before_after("step16", "step17", llm, args, attention_backend=llm.model.attention_backend)  # the same path
     if llm.model.attention_backend != "triton":
-        print("Both engines ran the same per-sequence loop here, so the ratio is noise; the kernels' gain needs a "
-              "GPU (the chapter has the H200's figures).")
+        print("Both engines ran the same per-sequence loop here: what the kernels change needs a GPU (the chapter "
+              "has the H200's figures).")
 
 
 def print_attention_backend(llm) -> None:
