@@ -1,0 +1,312 @@
+"""Mutation checks: every lesson's tests fail when the lesson is broken (docs/reference/testing.md,
+"Tests that can fail").
+
+Not a pytest file (its name does not start with test_): a script that applies each mutation below, one at a
+time, to a throwaway copy of the repository's tracked files at HEAD (`git archive`), never to the working tree,
+and runs the mutation's pytest selection there twice: first unmutated (it must pass, or the mutation proves
+nothing), then mutated (it must fail).
+
+    .venv/bin/python tests/mutations.py                      # every mutation
+    .venv/bin/python tests/mutations.py --list               # names and descriptions only
+    .venv/bin/python tests/mutations.py --only step05-max-num-seqs --only step06-chunk-budget
+    .venv/bin/python tests/mutations.py --all-failures       # no -x: list every test of the selection that fails
+
+Each selection is narrowed to the quickest tests of the table's row that catch the mutation (tiny-model and
+kernel tests; the real-model lesson tests are left out), listed fastest first: pytest runs with -x, so the
+first failure ends the mutated run. Each mutation is one exact text edit: `old` must occur exactly once in its file at HEAD, else the code moved and
+the mutation must be updated (reported as "cannot apply"). The copy reads the models from the same cache folder
+as this checkout (LLM_STEPS_CACHE, default <repo>/.cache): nothing is converted again.
+
+Exit status 1 if any mutation was not caught, could not be applied, or its selection fails unmutated.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    description: str  # the wording of docs/reference/testing.md's table
+    file: str  # relative to the repository root
+    old: str  # must occur exactly once in file
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: node ids (fastest first), or a file and "-k", "expression"
+
+
+MUTATIONS = [
+    Mutation(
+        "step05-max-num-seqs", "step05 ignores `max_num_seqs`",
+        "steps/step05/scheduler.py",
+        "while self.waiting and len(self.running) < self.max_num_seqs:",
+        "while self.waiting:",
+        ("tests/test_part2.py::test_random_arrivals_and_limits[step05]",)),
+    Mutation(
+        "step06-chunk-budget", "step06 ignores the chunk budget",
+        "steps/step06/scheduler.py",
+        "n = min(r.num_tokens - r.num_computed_tokens, budget)",
+        "n = r.num_tokens - r.num_computed_tokens",
+        ("tests/test_part2.py::test_chunked_prefill_any_budget[1-step06]",
+         "tests/test_part2.py::test_chunked_prefill_any_budget[7-step06]")),
+    Mutation(
+        "step07-never-preempts", "step07 never preempts",
+        "steps/step07/scheduler.py",
+        "        while free < needed:\n",
+        "        while False and free < needed:\n",
+        ("tests/test_engine_api.py::test_preempted_status[step07]",
+         "tests/test_part2.py::test_preemption_happens_and_changes_nothing[step07]")),
+    Mutation(
+        "step09-no-parent-check", "step09 drops the parent-block check",
+        "steps/step09/block_manager.py",
+        "if block.token_ids != block_tokens or block.parent != parent:",
+        "if block.token_ids != block_tokens:",
+        ("tests/test_part3.py::test_the_parent_block_tells_repeated_blocks_apart[step09]",)),
+    Mutation(
+        "step09-no-hits", "step09 skips every prefix hit",
+        "steps/step09/block_manager.py",
+        "            block_id = self.cached.get(h)\n",
+        "            block_id = None\n",
+        ("tests/test_part3.py::test_can_allocate_counts_hits_and_allocate_returns_them[step09]",
+         "tests/test_part3.py::test_second_request_with_the_same_prefix_hits[step09]")),
+    Mutation(
+        "step09-can-allocate-ignores-hits", "step09's `can_allocate` ignores hits",
+        "steps/step09/block_manager.py",
+        "            needed -= sum(self.blocks[b].ref_count > 0",
+        "            needed -= 0 * sum(self.blocks[b].ref_count > 0",
+        ("tests/test_part3.py::test_can_allocate_counts_hits_and_allocate_returns_them[step09]",)),
+    Mutation(
+        "step08-failed-step-keeps-requests", "step08 does not release a failed step's requests",
+        "steps/step08/engine.py",
+        "            for r in scheduled:\n                self.abort_request(r.request_id)\n            raise\n",
+        "            raise\n",
+        ("tests/test_engine_api.py::test_a_failed_step_drops_its_requests[1-step08]",
+         "tests/test_engine_api.py::test_a_failed_step_drops_its_requests[2-step08]",
+         "tests/test_engine_api.py::test_a_failed_step_drops_its_requests[5-step08]")),
+    Mutation(
+        "step09-generate-drops-others", "step09's `generate()` drops another caller's finished request",
+        "steps/step09/engine.py",
+        "                        self.finished_outputs.append(out)\n",
+        "                        pass\n",
+        ("tests/test_engine_api.py::test_add_request_is_never_lost_to_generate[step09]",)),
+    Mutation(
+        "step14_1-slot-too-far", "step14_1's slot mapping writes one slot too far",
+        "steps/step14_1/model.py",
+        "slots.append(block_table[position // block_size] * block_size + position % block_size)",
+        "slots.append(block_table[position // block_size] * block_size + position % block_size + 1)",
+        ("tests/test_part5.py::test_vectorized_write_equals_the_loop[step14_1]",
+         "tests/test_part5.py::test_outputs_equal_step13[step14_1-random:tiny-llama-16-7]")),
+    Mutation(
+        "step14_3-head-order", "step14_3 groups the query heads in the wrong order",
+        "steps/step14_3/model.py",
+        "q = q.view(T, kv_heads, group, head_dim).permute(1, 2, 0, 3)",
+        "q = q.view(T, group, kv_heads, head_dim).permute(2, 1, 0, 3)",
+        ("tests/test_part5.py::test_grouped_attention_equals_copies[4-2-step14_3]",)),
+    Mutation(
+        "step14_4-decode-mask", "step14_4 gives decode rows a mask",
+        "steps/step14_4/model.py",
+        "    if num_new == 1:\n        return None\n    keys = torch.arange(start + num_new, device=device)\n",
+        "    keys = torch.arange(start + num_new, device=device)\n",
+        ("tests/test_part5.py::test_mask_built_once_equals_the_per_row_mask[step14_4]",)),
+    Mutation(
+        "step14_5-rehash", "step14_5 rehashes a waiting prompt at every lookup",
+        "steps/step14_5/block_manager.py",
+        "        self.hash_new_blocks(request)\n        tokens, size, hits, parent = ",
+        "        request.block_hashes.clear()\n        self.hash_new_blocks(request)\n        tokens, size, hits, parent = ",
+        ("tests/test_part5.py::test_block_hashes_equal_step14_4s_and_are_computed_once[step14_5]",)),
+    Mutation(
+        "step14_6-evicts-first", "step14_6 evicts cached blocks before empty ones",
+        "steps/step14_6/block_manager.py",
+        "pool = self.empty or self.evictable",
+        "pool = self.evictable or self.empty",
+        ("tests/test_part5.py::test_lru_eviction_keeps_more_hits_than_step14_5[step14_6]",)),
+    Mutation(
+        "step14_7-forward-per-chunk", "step14_7 runs one forward per prefill chunk again (the counter)",
+        "steps/step14_7/model_runner.py",
+        "            self.stats[\"forwards\"] += 1\n",
+        "            self.stats[\"forwards\"] += bool(decodes) + len(chunks)\n",
+        ("tests/test_part5.py::test_one_forward_per_engine_step[step14_7-7]",
+         "tests/test_part5.py::test_one_forward_per_engine_step[step14_7-512]")),
+    Mutation(
+        "step15-no-acc-rescale", "step15's kernel stops rescaling `acc` when the running maximum grows",
+        "steps/step15/kernels/attention.py",
+        "acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None])",
+        "acc = tl.dot(p.to(v.dtype), v, acc)",
+        ("tests/test_part6.py::test_flash_attention_fp16",
+         "tests/test_part6.py::test_flash_attention_equals_reference")),
+    Mutation(
+        "step15-no-diagonal-mask", "step15's kernel skips the causal mask on the diagonal tiles",
+        "steps/step15/kernels/attention.py",
+        "allowed = (keys_pos[None, :] <= query_pos[:, None]) & in_ctx[None, :]",
+        "allowed = in_ctx[None, :]",
+        ("tests/test_part6.py::test_flash_attention_fp16",
+         "tests/test_part6.py::test_flash_attention_equals_reference")),
+    Mutation(
+        "step16-v2-no-rescale", "step16's v2 drops the rescale `exp2(m_old - m_new)`",
+        "steps/step16/kernels/decode.py",
+        "            alpha = tl.exp2(m - m_new)\n",
+        "            alpha = tl.exp2(m_new - m_new)\n",
+        ("tests/test_part6_decode.py::test_v2_any_block_size",
+         "tests/test_part6_decode.py::test_v2_matches_reference",
+         "tests/test_part6_decode.py::test_flash_decode_matches_reference_and_v2")),
+    Mutation(
+        "step17-merge-no-weights", "step17's merge drops the weights `exp2(m_p - M)`",
+        "steps/step17/kernels/decode.py",
+        "total = tl.sum(l * weight, axis=0)                       # L\n"
+        "        out = tl.sum(acc * weight[:, None], axis=0)",
+        "total = tl.sum(l, axis=0)                       # L\n"
+        "        out = tl.sum(acc, axis=0)",
+        ("tests/test_part6_decode.py::test_flash_decode_default_tile",
+         "tests/test_part6_decode.py::test_flash_decode_matches_reference_and_v2")),
+    Mutation(
+        "step17-split-no-clamp", "step17's split kernel does not clamp its range to the context",
+        "steps/step17/kernels/decode.py",
+        "end_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)",
+        "end_tile = first_tile + tiles_per_split",
+        ("tests/test_part6_decode.py::test_empty_splits_write_the_empty_state",
+         "tests/test_part6_decode.py::test_flash_decode_matches_reference_and_v2")),
+    Mutation(
+        "step16-v1-empty-slots-score-0", "step16's v1 reads empty slots as score 0",
+        "steps/step16/kernels/decode.py",
+        "s = tl.load(scores_row + pos, mask=valid, other=float(\"-inf\"))",
+        "s = tl.load(scores_row + pos, mask=valid, other=0.0)",
+        ("tests/test_part6_decode.py::test_v1_matches_reference",)),
+    # Not in the table (yet): the golden file, and a kernel of step17's own copy.
+    Mutation(
+        "step02-rope-k-only", "step02's attention rotates k but not q (only the golden file catches it)",
+        "steps/step02/model.py",
+        "q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)",
+        "q, k = q, apply_rope(k, cos, sin)",
+        ("tests/test_equivalence.py::test_step_matches_golden[step02-random:tiny-llama]",)),
+    Mutation(
+        "step17-own-v2-no-rescale", "step17's own copy of v2 drops the rescale `exp2(m_old - m_new)`",
+        "steps/step17/kernels/decode.py",
+        "            alpha = tl.exp2(m - m_new)\n            p = tl.exp2(s - m_new[:, None])  # [BLOCK_G",
+        "            alpha = tl.exp2(m_new - m_new)\n            p = tl.exp2(s - m_new[:, None])  # [BLOCK_G",
+        ("tests/test_part6_decode.py::test_flash_decode_matches_reference_and_v2",)),
+]
+
+
+def model_cache() -> Path:
+    """The cache folder shared/models.py uses in this checkout: the copy must read the same one."""
+    return Path(os.environ.get("LLM_STEPS_CACHE", REPO / ".cache")).resolve()
+
+
+def make_copy(rev: str) -> Path:
+    """The tracked files at `rev`, in a fresh temporary folder (never the working tree)."""
+    tmp = Path(tempfile.mkdtemp(prefix="mutations-"))
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    return tmp
+
+
+def run_pytest(copy: Path, tests: tuple[str, ...], stop_first: bool, timeout: int) -> tuple[int, list[str], str]:
+    """-> (pytest's exit status, the failing/erroring test ids, the output's tail)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    env.update(LLM_STEPS_CACHE=str(model_cache()), PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", *(["-x"] if stop_first else []), "-q", "-p", "no:cacheprovider",
+           "-p", "no:randomly", "-rfE", "--no-header", *tests]
+    try:
+        proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return -1, [], out[-3000:] + f"\n[timed out after {timeout} s]"
+    out = proc.stdout + proc.stderr
+    failed = [m.group(2) for m in re.finditer(r"^(FAILED|ERROR) (\S+)", out, re.M)]
+    return proc.returncode, list(dict.fromkeys(failed)), out[-3000:]
+
+
+def short(test_id: str) -> str:
+    return test_id.split("::", 1)[-1]
+
+
+def check(m: Mutation, copy: Path, stop_first: bool, timeout: int, verbose: bool) -> tuple[bool, str]:
+    """Apply one mutation in `copy`, run its selection before and after. -> (ok, one report line)."""
+    path = copy / m.file
+    start = time.perf_counter()
+    if not path.exists():
+        return False, f"{m.name:34} CANNOT APPLY: {m.file} does not exist"
+    original = path.read_text()
+    count = original.count(m.old)
+    if count != 1:
+        return False, (f"{m.name:34} CANNOT APPLY: the old text occurs {count} times in {m.file} "
+                       f"(the code moved: update the mutation)")
+    rc, failed, tail = run_pytest(copy, m.tests, stop_first, timeout)
+    clean = rc == 0
+    if verbose or not clean:
+        print(f"--- {m.name}, unmutated: exit {rc}\n{tail}", flush=True)
+    if not clean:
+        why = "no test collected (ids changed?)" if rc in (4, 5) else f"exit {rc}, failing: {[short(t) for t in failed]}"
+        return False, f"{m.name:34} passed-unmutated NO ({why})  {time.perf_counter() - start:.0f}s"
+    try:
+        path.write_text(original.replace(m.old, m.new))
+        rc, failed, tail = run_pytest(copy, m.tests, stop_first, timeout)
+    finally:
+        path.write_text(original)
+    if verbose or rc != 1:
+        print(f"--- {m.name}, mutated: exit {rc}\n{tail}", flush=True)
+    caught = rc == 1 and bool(failed)
+    seconds = time.perf_counter() - start
+    verdict = f"caught: {len(failed)} failed: {', '.join(short(t) for t in failed)}" if caught else \
+        f"NOT CAUGHT (exit {rc}{', errors: ' + ', '.join(short(t) for t in failed) if failed else ''})"
+    return caught, f"{m.name:34} passed-unmutated yes  failed-when-mutated {'yes' if caught else 'NO'}  " \
+                   f"{seconds:4.0f}s  {verdict}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run only these (repeatable)")
+    parser.add_argument("--list", action="store_true", help="print the mutations and exit")
+    parser.add_argument("--rev", default="HEAD", help="the commit whose tracked files are copied (default HEAD)")
+    parser.add_argument("--all-failures", action="store_true",
+                        help="run pytest without -x: every failing test of the selection is listed (slower)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per pytest run")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print pytest's output tail of every run")
+    args = parser.parse_args(argv)
+
+    names = [m.name for m in MUTATIONS]
+    assert len(set(names)) == len(names), "two mutations share a name"
+    unknown = [n for n in args.only if n not in names]
+    if unknown:
+        parser.error(f"unknown mutation(s) {unknown}; known: {', '.join(names)}")
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:34} {m.description}\n{'':34} {m.file}; expected to fail: "
+                  f"{' '.join(short(t) for t in m.tests)}")
+        return 0
+
+    cache = model_cache()
+    if not cache.is_dir():
+        print(f"warning: the model cache {cache} does not exist: models will be converted into it", flush=True)
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.rev], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # killed: still remove the copy (finally below)
+    copy = make_copy(args.rev)
+    print(f"{len(chosen)} mutation(s) of {args.rev} ({commit}), copied to {copy}; models from {cache}", flush=True)
+    results = []
+    try:
+        for m in chosen:
+            ok, line = check(m, copy, not args.all_failures, args.timeout, args.verbose)
+            results.append(ok)
+            print(line, flush=True)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    bad = results.count(False)
+    print(f"{len(results) - bad} of {len(results)} mutations caught" + (f"; {bad} NOT OK" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
