@@ -10,6 +10,7 @@ nothing), then mutated (it must fail).
     .venv/bin/python tests/mutations.py --list               # names and descriptions only
     .venv/bin/python tests/mutations.py --only step05-max-num-seqs --only step06-chunk-budget
     .venv/bin/python tests/mutations.py --all-failures       # no -x: list every test of the selection that fails
+    .venv/bin/python tests/mutations.py --check              # only: does every old text occur once at HEAD?
 
 Each selection is narrowed to the quickest tests of the table's row that catch the mutation (tiny-model and
 kernel tests; the real-model lesson tests are left out), listed fastest first: pytest runs with -x, so the
@@ -103,8 +104,8 @@ MUTATIONS = [
     Mutation(
         "step14_1-slot-too-far", "step14_1's slot mapping writes one slot too far",
         "steps/step14_1/model.py",
-        "slots.append(block_table[position // block_size] * block_size + position % block_size)",
-        "slots.append(block_table[position // block_size] * block_size + position % block_size + 1)",
+        "return (blocks * block_size + positions % block_size).flatten()",
+        "return (blocks * block_size + positions % block_size + 1).flatten()",
         ("tests/test_part5.py::test_vectorized_write_equals_the_loop[step14_1]",
          "tests/test_part5.py::test_outputs_equal_step13[step14_1-random:tiny-llama-16-7]")),
     Mutation(
@@ -272,6 +273,8 @@ def main(argv=None) -> int:
     parser.add_argument("--all-failures", action="store_true",
                         help="run pytest without -x: every failing test of the selection is listed (slower)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per pytest run")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that every old text occurs exactly once at --rev (runs no test)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print pytest's output tail of every run")
     args = parser.parse_args(argv)
 
@@ -286,6 +289,15 @@ def main(argv=None) -> int:
             print(f"{m.name:34} {m.description}\n{'':34} {m.file}; expected to fail: "
                   f"{' '.join(short(t) for t in m.tests)}")
         return 0
+
+    if args.check:
+        bad = 0
+        for m in chosen:
+            shown = subprocess.run(["git", "-C", str(REPO), "show", f"{args.rev}:{m.file}"], capture_output=True, text=True)
+            count = shown.stdout.count(m.old) if shown.returncode == 0 else 0
+            bad += count != 1
+            print(f"{m.name:34} {'applies' if count == 1 else f'CANNOT APPLY: old text found {count} times in {m.file}'}")
+        return 1 if bad else 0
 
     cache = model_cache()
     if not cache.is_dir():
