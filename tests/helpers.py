@@ -90,6 +90,9 @@ def compare_completions(a, b, logprob_atol: float, exact: bool = True, label: st
         assert tb[first_diff] in top_a and ta[first_diff] in top_b, (
             f"{label}: first divergence at {first_diff}: {ta[first_diff]} vs {tb[first_diff]} not in each other's top-{VLLM_RULE_TOP_K}")
         n = first_diff
+    else:  # no divergence: the rule allows none of a shorter output (a request cut early is not a near-tie)
+        assert len(ta) == len(tb) and a.finish_reason == b.finish_reason, (
+            f"{label}: equal up to {n} tokens, then {len(ta)} ({a.finish_reason}) vs {len(tb)} ({b.finish_reason})")
     worst = 0.0
     for i in range(n):
         la, lb = a.logprobs[i][ta[i]], b.logprobs[i][tb[i]]

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from shared import SamplingParams, resolve_model
 from helpers import HF_LOGITS_ATOL_FP32, load_engine
-from registry import having, previous
+from registry import having, lesson_and_newest, previous
 
 FAMILIES = having("model_families")
 # The HF oracle feeds the model one token at a time through its step10-13 forward signature, so it runs on
@@ -299,7 +299,9 @@ def test_phase_timers_add_up_to_the_wall_time(step):
     assert 0.90 * wall <= timed <= wall
 
 
-@pytest.mark.parametrize("step", MEASURED)
+# The trace is written by the same code in every step from step13 on (the timers' torch.profiler option, which
+# run.py's --profile turns on): where it is introduced and in the newest step, each a real run.py command.
+@pytest.mark.parametrize("step", lesson_and_newest("phase_timers"))
 def test_profile_writes_a_chrome_trace_with_the_phases(step, tmp_path):
     import subprocess
     import sys

@@ -19,19 +19,31 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import STEPS
 from shared import SamplingParams
 from helpers import STEP_LOGPROB_ATOL_FP32, FakeRequest, compare_completions, load_engine
 
-PART5 = [s for s in STEPS if s.startswith("step14")]
+from registry import TINY, TINY_QWEN3, having, introducing, last_before
+
+RUNNER = having("model_runner")  # step14 and every later step: they keep Part 5's anatomy
+BEFORE_PART5 = last_before("model_runner")  # step13: the engine Part 5 re-cuts
 
 
 def model_module(step):
     return importlib.import_module(f"steps.{step}.model")
 
 
-def from_step(first):
-    return [s for s in PART5 if s >= first] if first in PART5 else []
+def grid_cases():
+    """The grid in full (2 models x 3 block sizes x 3 budgets) where the whole engine was re-cut (step14) and where
+    every chunk and decode became one flat batch (step14_7); in every other step its diagonal, each block size
+    and budget once per model: the same code paths, a third of the runs."""
+    full = {introducing("model_runner"), introducing("flat_varlen_batch")}
+    cases = []
+    for step in RUNNER:
+        for model in (TINY, TINY_QWEN3):
+            pairs = [(b, n) for b in (1, 16, 64) for n in (1, 7, 512)] if step in full else \
+                [(1, 1), (16, 7), (64, 512)]
+            cases += [pytest.param(step, model, b, n, id=f"{step}-{model}-{b}-{n}") for b, n in pairs]
+    return cases
 
 
 # ---- the grid: outputs equal step13's -----------------------------------------------------------------
@@ -52,18 +64,16 @@ def grid_outputs(step, model, block_size, budget):
     return llm.generate(grid_prompts(llm.model.config.vocab_size), params)
 
 
-@pytest.mark.parametrize("budget", [1, 7, 512])
-@pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("model", ["random:tiny-llama", "random:tiny-qwen3"])
-@pytest.mark.parametrize("step", PART5)
+@pytest.mark.parametrize("step,model,block_size,budget", grid_cases())
 def test_outputs_equal_step13(step, model, block_size, budget):
-    ours, ref = grid_outputs(step, model, block_size, budget), grid_outputs("step13", model, block_size, budget)
+    ours, ref = grid_outputs(step, model, block_size, budget), grid_outputs(BEFORE_PART5, model, block_size, budget)
+    assert len(ours) == len(ref) == len(GRID_PROMPT_LENS)
     for i, (a, b) in enumerate(zip(ours, ref)):
         compare_completions(a.outputs[0], b.outputs[0], STEP_LOGPROB_ATOL_FP32, label=f"{step} prompt {i}")
 
 
 # ---- step14: one KV tensor ------------------------------------------------------------------------------
-@pytest.mark.parametrize("step", PART5)
+@pytest.mark.parametrize("step", RUNNER)
 def test_one_kv_tensor_for_all_layers(step):
     llm = load_engine(step).LLM("random:tiny-llama", device="cpu", max_kv_tokens=256)
     data = llm.kv_cache.data
@@ -80,12 +90,12 @@ tables = st.integers(1, 6).flatmap(lambda size: st.tuples(
     st.just(size), st.permutations(range(12)), st.integers(0, 30), st.integers(1, 12)))
 
 
-@pytest.mark.parametrize("step", from_step("step14_1"))
+@pytest.mark.parametrize("step", having("slot_mapping_write"))
 @settings(max_examples=60, deadline=None)
 @given(case=tables)
 def test_vectorized_write_equals_the_loop(step, case):
     block_size, blocks, start, new_tokens = case
-    old = model_module("step13")
+    old = model_module(BEFORE_PART5)
     new = model_module(step)
     rows = 2  # two sequences, each with half of the blocks in a random order
     block_tables = [list(blocks[:6]), list(blocks[6:])]
@@ -103,12 +113,12 @@ def test_vectorized_write_equals_the_loop(step, case):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("step", from_step("step14_2"))
+@pytest.mark.parametrize("step", having("index_select_gather"))
 @settings(max_examples=60, deadline=None)
 @given(case=tables)
 def test_index_select_gather_equals_the_loop(step, case):
     block_size, blocks, _, _ = case
-    old, new = model_module("step13"), model_module(step)
+    old, new = model_module(BEFORE_PART5), model_module(step)
     cache = torch.randn(12, block_size, 2, 4)
     table = list(blocks[:7])
     for num_tokens in range(1, 7 * block_size + 1):
@@ -117,7 +127,7 @@ def test_index_select_gather_equals_the_loop(step, case):
 
 
 # ---- step14_3: GQA by a view -----------------------------------------------------------------------------
-@pytest.mark.parametrize("step", from_step("step14_3"))
+@pytest.mark.parametrize("step", having("gqa_view"))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3), (8, 1)])
 def test_grouped_attention_equals_copies(step, heads, kv_heads):
     grouped = model_module(step).grouped_attention
@@ -135,7 +145,7 @@ def test_grouped_attention_equals_copies(step, heads, kv_heads):
 
 
 # ---- step14_4: the mask -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("step", from_step("step14_4"))
+@pytest.mark.parametrize("step", having("mask_once"))
 def test_mask_built_once_equals_the_per_row_mask(step):
     causal_mask = model_module(step).causal_mask
     for start in (0, 1, 15, 16, 40):
@@ -165,17 +175,17 @@ def pressure_workload(rounds=6):
     return work
 
 
-@pytest.mark.parametrize("step", from_step("step14_5"))
+@pytest.mark.parametrize("step", having("incremental_hash"))
 def test_block_hashes_equal_step14_4s_and_are_computed_once(step):
     work = pressure_workload(rounds=3)
-    old, old_outs = pressure_run("step14_4", work, max_kv_tokens=4096)  # no eviction: every block stays cached
+    old, old_outs = pressure_run(last_before("incremental_hash"), work, max_kv_tokens=4096)  # no eviction: every block stays cached
     new, new_outs = pressure_run(step, work, max_kv_tokens=4096)
     assert new_outs == old_outs
     assert set(new.block_manager.cached) == set(old.block_manager.cached), "a block got another hash"
     full_blocks = sum(len(p) // 16 for p in work)  # prompt blocks (4 new tokens never fill another block here)
     assert new.block_manager.num_hashed == full_blocks, "each full block is hashed exactly once"
     # and per sequence: the hashes kept on it equal the chain step14_4 computes block by block from scratch
-    block_hash = importlib.import_module("steps.step14_4.block_manager").block_hash
+    block_hash = importlib.import_module(f"steps.{last_before('incremental_hash')}.block_manager").block_hash
     tokens, chain, parent = work[0], [], None
     for i in range(len(tokens) // 16):
         parent = block_hash(parent, tuple(tokens[i * 16:(i + 1) * 16]))
@@ -186,10 +196,10 @@ def test_block_hashes_equal_step14_4s_and_are_computed_once(step):
 
 
 # ---- step14_6: release(), LRU eviction --------------------------------------------------------------------
-@pytest.mark.parametrize("step", from_step("step14_6"))
+@pytest.mark.parametrize("step", having("lru_eviction"))
 def test_lru_eviction_keeps_more_hits_than_step14_5(step):
     work = pressure_workload()
-    before, before_outs = pressure_run("step14_5", work)
+    before, before_outs = pressure_run(last_before("lru_eviction"), work)
     after, after_outs = pressure_run(step, work)
     assert after_outs == before_outs
     hits_before, hits_after = before.block_manager.stats["hits"], after.block_manager.stats["hits"]
@@ -197,7 +207,7 @@ def test_lru_eviction_keeps_more_hits_than_step14_5(step):
     assert hits_after >= hits_before and hits_after > hits_before, "this workload is built to show the difference"
 
 
-@pytest.mark.parametrize("step", from_step("step14_6"))
+@pytest.mark.parametrize("step", having("lru_eviction"))
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["admit", "decode", "release"]), st.integers(0, 10_000)), max_size=80))
 def test_allocate_append_release_invariants(step, ops):
@@ -252,7 +262,7 @@ def test_allocate_append_release_invariants(step, ops):
 
 # ---- step14_7: one forward per step -----------------------------------------------------------------------
 @pytest.mark.parametrize("budget", [7, 512])
-@pytest.mark.parametrize("step", from_step("step14_7"))
+@pytest.mark.parametrize("step", having("flat_varlen_batch"))
 def test_one_forward_per_engine_step(step, budget):
     llm = load_engine(step).LLM("random:tiny-llama", device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)
     prompts = grid_prompts(llm.model.config.vocab_size)
@@ -271,7 +281,7 @@ def test_one_forward_per_engine_step(step, budget):
     assert mixed_steps > 0, "the workload was meant to mix decodes and prefill chunks in one step"
     assert llm.stats["prefill_chunks"] + llm.stats["decode_steps"] > llm.stats["forwards"], \
         "step14_6 would have needed more forwards than steps here"
-    previous = load_engine("step14_6").LLM("random:tiny-llama", device="cpu", max_num_batched_tokens=budget,
+    previous = load_engine(last_before("flat_varlen_batch")).LLM("random:tiny-llama", device="cpu", max_num_batched_tokens=budget,
                                            max_num_seqs=4)
     expected = previous.generate(prompts, [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * len(prompts))
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
