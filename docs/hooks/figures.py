@@ -2,6 +2,7 @@
 
     docs/data/cpu.json, docs/data/h200.json   benchmark results, one file per device (collect_bench.py)
     docs/data/figures.json                    the data of the chapter figures (make_figures.py)
+    docs/data/test_suite.json                 the test suite's times (measure_test_suite.py)
 
 Markers a page may use (each is replaced when the site is built):
     <!-- bench-table: cpu standard step01 step02 step03 -->       one device and workload: tokens/s, ratios,
@@ -18,6 +19,8 @@ Markers a page may use (each is replaced when the site is built):
                                                                    (docs/data/bench_kernels.py's JSON)
     <!-- fig-table: timeline-continuous -->                        a table traced by make_figures.py
     <!-- fig-value: hash_chain.second_request.hits -->             one value of figures.json inline
+    <!-- suite-value: full.minutes -->                             one value of test_suite.json inline
+    <!-- suite-table: projection -->                               the suite's time at more steps (a table)
 A workload key may also be a base workload with a suffix ("standard-step10", "mixed-step10-qwen3", "mixed-part4"): the
 numbers of one chapter's own run, kept apart so that each table compares numbers of one run. Such an entry may
 carry its own "model", "date" and "git_commit" (the caption then names them); the all-steps plot draws the base
@@ -40,16 +43,21 @@ DEVICE_LABEL = {"cpu": "CPU", "h200": "H200"}
 WORKLOADS = ("standard", "single", "mixed", "shared-prefix")
 _bench: dict = {}
 _fig: dict = {}
+_suite: dict = {}
+NOT_DEVICES = ("figures.json", "test_suite.json")
 
 
 def _load() -> None:
     _bench.clear()
     for path in sorted(DATA.glob("*.json")):
-        if path.name != "figures.json":
+        if path.name not in NOT_DEVICES:
             _bench[path.stem] = json.loads(path.read_text())
     _fig.clear()
     if (DATA / "figures.json").is_file():
         _fig.update(json.loads((DATA / "figures.json").read_text()))
+    _suite.clear()
+    if (DATA / "test_suite.json").is_file():
+        _suite.update(json.loads((DATA / "test_suite.json").read_text()))
 
 
 def _result(device: str, workload: str, step: str) -> dict | None:
@@ -174,6 +182,27 @@ def fig_value(path: str) -> str:
     if isinstance(node, float):
         return f"{100 * node:.0f}%" if node <= 1 else f"{node:.1f}"
     return str(node)
+
+
+def suite_value(path: str) -> str:
+    """One value of test_suite.json (a dotted path, list items by index), as written there."""
+    node = _suite
+    for key in path.split("."):
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    return f"{node:,}" if isinstance(node, int) else str(node)
+
+
+def suite_table(name: str) -> str:
+    if name != "projection":
+        raise ValueError(f"suite-table: unknown table {name!r} (known: projection)")
+    s = _suite
+    rows = ["| steps | Parts | `make test` (2 workers) | |", "|---|---|---|---|"]
+    for p in s["projection"]:
+        kind = "measured" if p["steps"] == s["steps"] else "projected"
+        rows.append(f"| {p['steps']} | {p['parts']} | {p['full_minutes']} min | {kind} |")
+    return ("\n".join(rows) + f"\n\n<small>Measured with `{s['command']}` ({s['machine']}, {s['date']}): an ordinary "
+            f"step's tests take {s['new_step_seconds']} s, the real-model tests of a Part's last step "
+            f"{s['part_end_extra_seconds']} s more; a projection adds them, shared by the two workers.</small>")
 
 
 # ---------------------------------------------------------------- traced tables (figures.json)
@@ -572,6 +601,8 @@ MARKERS = [
     (re.compile(r"<!--\s*figure:\s*(\S+)\s*-->"), lambda m, p: figure(m.group(1), p)),
     (re.compile(r"<!--\s*fig-table:\s*(\S+)\s*-->"), lambda m, p: fig_table(m.group(1))),
     (re.compile(r"<!--\s*fig-value:\s*(\S+)\s*-->"), lambda m, p: fig_value(m.group(1))),
+    (re.compile(r"<!--\s*suite-value:\s*(\S+)\s*-->"), lambda m, p: suite_value(m.group(1))),
+    (re.compile(r"<!--\s*suite-table:\s*(\S+)\s*-->"), lambda m, p: suite_table(m.group(1))),
 ]
 
 

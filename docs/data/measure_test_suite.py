@@ -1,0 +1,120 @@
+"""Time the test suite as a newcomer runs it and write docs/data/test_suite.json (the testing page reads it).
+
+    python docs/data/measure_test_suite.py [--ci-wall-s S]      on a quiet machine: nothing else running
+
+Runs `make test` and `make test-fast` (pytest-xdist, two workers, as the Makefile runs them) with a JUnit report,
+times each, and from the report's per-test times works out what each step costs: the sum of the times of the
+tests that take that step. A new step copied from the newest one costs what an ordinary step costs (tiny-model
+tests only); the newest step and the last step of each Part also run the real model. The projection to more steps
+adds those costs, divided by the two workers, to the measured time.
+
+--ci-wall-s: the time of `bash .ci/run` on a fresh clone (set-up included), measured separately
+(`git clone <repo> /tmp/fresh && cd /tmp/fresh && time bash .ci/run`), recorded beside the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from registry import REGISTRY, STEPS, NEWEST, part_ends  # noqa: E402  (tests/registry.py)
+
+WORKERS = 2  # the Makefile's PYTEST_WORKERS
+
+
+def run_make(target: str, junit: Path) -> dict:
+    start = time.perf_counter()
+    proc = subprocess.run(["make", target, f"PYTEST_ARGS=--junitxml={junit} -q"], cwd=ROOT, capture_output=True,
+                          text=True)
+    wall = time.perf_counter() - start
+    summary = [line for line in proc.stdout.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    if proc.returncode != 0:
+        sys.exit(f"make {target} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return {"wall_s": round(wall, 1), "summary": summary[-1].strip("= ") if summary else ""}
+
+
+def test_times(junit: Path) -> list[tuple[str, float]]:
+    """(node id, seconds) of every test case of a JUnit report."""
+    cases = ET.parse(junit).getroot().iter("testcase")
+    return [(f"{c.get('classname')}::{c.get('name')}", float(c.get("time", 0))) for c in cases]
+
+
+def step_of(name: str) -> str | None:
+    """The step a test takes, read from its parameters (`test_x[step16-...]`, `test_y[1-step10]`)."""
+    params = name[name.find("[") + 1:-1] if "[" in name else ""
+    found = [s for s in STEPS if re.search(rf"(^|[-\[]){re.escape(s)}($|-)", params)]
+    return max(found, key=len) if found else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ci-wall-s", type=float, default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        full_xml, fast_xml = Path(tmp) / "full.xml", Path(tmp) / "fast.xml"
+        print("make test ...", file=sys.stderr, flush=True)
+        full = run_make("test", full_xml)
+        print(f"  {full}", file=sys.stderr)
+        print("make test-fast ...", file=sys.stderr, flush=True)
+        fast = run_make("test-fast", fast_xml)
+        print(f"  {fast}", file=sys.stderr)
+        times = test_times(full_xml)
+        full["tests"], fast["tests"] = len(times), len(test_times(fast_xml))
+    per_step = {s: 0.0 for s in STEPS}
+    for name, seconds in times:
+        step = step_of(name)
+        if step:
+            per_step[step] += seconds
+    total = sum(t for _, t in times)
+    ends = set(part_ends()) | {NEWEST}
+    ordinary = [per_step[s.name] for s in REGISTRY if s.name not in ends and s.name != STEPS[0]]
+    real_model = [per_step[s] for s in part_ends() if s != NEWEST]
+    step_cost = statistics.median(ordinary)
+    part_end_extra = max(statistics.median(real_model) - step_cost, 0.0)
+    parts_now = len(part_ends())
+
+    def projected(num_steps: int, parts: int) -> float:
+        more_steps, more_parts = num_steps - len(STEPS), parts - parts_now
+        return full["wall_s"] + (more_steps * step_cost + more_parts * part_end_extra) / WORKERS
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    data = {
+        "command": "python docs/data/measure_test_suite.py" + (f" --ci-wall-s {args.ci_wall_s:g}" if args.ci_wall_s
+                                                                else ""),
+        "date": date.today().isoformat(), "git_commit": commit, "git_dirty": dirty,
+        "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}",
+        "workers": WORKERS, "steps": len(STEPS), "parts": parts_now,
+        "full": {**full, "minutes": round(full["wall_s"] / 60, 1)},
+        "fast": {**fast, "minutes": round(fast["wall_s"] / 60, 1)},
+        "ci": ({"wall_s": args.ci_wall_s, "minutes": round(args.ci_wall_s / 60, 1)} if args.ci_wall_s else None),
+        "test_seconds_total": round(total, 1),
+        "step_seconds": {s: round(v, 1) for s, v in per_step.items()},
+        "new_step_seconds": round(step_cost, 1),
+        "part_end_extra_seconds": round(part_end_extra, 1),
+        "projection": [{"steps": n, "parts": p, "full_wall_s": round(projected(n, p), 1),
+                        "full_minutes": round(projected(n, p) / 60, 1)}
+                       for n, p in ((len(STEPS), parts_now), (28, parts_now + 1), (32, parts_now + 3))],
+    }
+    out = Path(__file__).resolve().parent / "test_suite.json"
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(json.dumps({k: data[k] for k in ("full", "fast", "ci", "new_step_seconds", "projection")}))
+    print(f"written: {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
