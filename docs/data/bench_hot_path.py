@@ -8,6 +8,8 @@ made with `git archive <commit> steps | tar -x -C /tmp/old`), on two workloads:
 
     decode1   1 prompt, 64 new tokens (EOS ignored), median of --repeats runs
     batch8    8 prompts, 32 new tokens each, median of --repeats runs
+    mixed     the benchmark's mixed workload (shared/bench.py: 64 requests, prompts of 8-192 tokens, 8-128 new
+              tokens each), median of --repeats runs
 
 and prints one JSON line per (variant, workload): wall ms, ms per generated token, tokens/s, the median time between
 consecutive tokens of a request (decode only: the prefill is left out), and on CUDA the number of
@@ -33,8 +35,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from shared import SamplingParams  # noqa: E402
+from shared.bench import mixed_workload  # noqa: E402
 
-WORKLOADS = {"decode1": (1, 64), "batch8": (8, 32)}  # name -> (prompts, new tokens each)
+WORKLOADS = {"decode1": (1, 64), "batch8": (8, 32), "mixed": (64, None)}  # name -> (prompts, new tokens each)
 PROMPTS = ["The capital of France is", "Once upon a time", "The best way to learn is", "In 1969 the first",
            "My favourite colour is", "A prime number is", "The ocean is", "def fibonacci(n):"]
 
@@ -82,14 +85,17 @@ class SyncCounter:
         return False
 
 
-def run_workload(llm, num_prompts: int, new_tokens: int, device: torch.device, count_syncs: bool) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+def run_workload(llm, num_prompts: int, new_tokens: int | None, device: torch.device, count_syncs: bool) -> dict:
+    if new_tokens is None:  # the mixed workload: its own prompts and lengths
+        prompts, params = mixed_workload(llm.tokenizer, num_requests=num_prompts)
+    else:
+        prompts, params = PROMPTS[:num_prompts], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
     counter = SyncCounter(device if count_syncs else torch.device("cpu"))
     with counter:
         start = time.perf_counter()
-        outs = llm.generate(PROMPTS[:num_prompts], params)
+        outs = llm.generate(prompts, params)
         wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     gaps = [b - a for o in outs for a, b in zip(o.metrics.token_times, o.metrics.token_times[1:])]
@@ -109,6 +115,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attention-backend", default=None, help="None: the engine's default for the device")
+    parser.add_argument("--workload", action="append", choices=list(WORKLOADS), help="default: all of them")
     args = parser.parse_args()
     tokens_of = {}
     for index, root in enumerate(args.steps_root):
@@ -116,6 +123,8 @@ def main() -> None:
         llm = engine.LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend)
         llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
         for name, (num_prompts, new_tokens) in WORKLOADS.items():
+            if args.workload and name not in args.workload:
+                continue
             runs = [run_workload(llm, num_prompts, new_tokens, llm.device, count_syncs=i == 0)
                     for i in range(args.repeats + 1)]
             counted, timed = runs[0], runs[1:]  # the sync-counting run is not timed (the debug mode costs time)
@@ -125,7 +134,7 @@ def main() -> None:
             print(json.dumps({"variant": str(root), "step": args.step, "workload": name, "model": args.model,
                               "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
                               "backend": llm.model.attention_backend if hasattr(llm.model, "attention_backend") else None,
-                              "prompts": num_prompts, "new_tokens": new_tokens, "repeats": args.repeats,
+                              "prompts": num_prompts, "new_tokens": new_tokens or "8-128", "repeats": args.repeats,
                               "wall_ms": round(wall, 2), "ms_per_token": round(wall / tokens, 4),
                               "tokens_per_s": round(1000 * tokens / wall, 1),
                               "inter_token_ms": round(statistics.median(r["inter_token_ms"] for r in timed), 4),
