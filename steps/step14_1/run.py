@@ -43,7 +43,7 @@ def show_lesson(llm, args) -> None:
                 write_kv_to_blocks(cache, tables[row], start, new[row])
 
         def scatter():  # the slot mapping is computed once per step for all layers; here, once per call
-            slots = torch.tensor(slot_mapping([start] * batch, new_tokens, tables, block_size), device=cache.device)
+            slots = slot_mapping([start] * batch, new_tokens, tables, block_size).to(cache.device)
             write_kv(cache, slots, new.reshape(-1, *cache.shape[2:]))
 
         rows.append([case, time_ms(loop, llm.device), time_ms(scatter, llm.device)])
