@@ -85,6 +85,13 @@ class SyncCounter:
         return False
 
 
+def backend_name(llm) -> str | None:
+    """Which attention ran: a name, or an attention object's name (steps that hold one)."""
+    backend = getattr(llm.model, "attention_backend", None)
+    return getattr(backend, "name", None) or (backend if isinstance(backend, str) or backend is None
+                                              else type(backend).__name__)
+
+
 def run_workload(llm, num_prompts: int, new_tokens: int | None, device: torch.device, count_syncs: bool) -> dict:
     if new_tokens is None:  # the mixed workload: its own prompts and lengths
         prompts, params = mixed_workload(llm.tokenizer, num_requests=num_prompts)
@@ -133,7 +140,7 @@ def main() -> None:
             same = tokens_of.setdefault(name, counted["token_ids"]) == counted["token_ids"]
             print(json.dumps({"variant": str(root), "step": args.step, "workload": name, "model": args.model,
                               "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
-                              "backend": llm.model.attention_backend if hasattr(llm.model, "attention_backend") else None,
+                              "backend": backend_name(llm),
                               "prompts": num_prompts, "new_tokens": new_tokens or "8-128", "repeats": args.repeats,
                               "wall_ms": round(wall, 2), "ms_per_token": round(wall / tokens, 4),
                               "tokens_per_s": round(1000 * tokens / wall, 1),
