@@ -112,17 +112,17 @@ def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
     decodes loop. step16: the decodes too, one launch per layer in a step with decodes; nothing loops. step17:
     the decodes through flash decoding where the rule splits (lowered to 8 tokens per part so that these short
     contexts split), step16's kernel where it picks one part."""
-    step_model = importlib.import_module(f"steps.{step}.model")
+    backends = importlib.import_module(f"steps.{step}.attention")  # where the loop calls grouped_attention
     prefill = counting(monkeypatch, kernels(step), "paged_attention")
     decode = counting(monkeypatch, kernels(step, "decode"), "paged_decode_v2") if step != "step15" else {"n": 0}
     split = counting(monkeypatch, kernels(step, "decode"), "flash_decode") if step == "step17" else {"n": 0}
-    looped = counting(monkeypatch, step_model, "grouped_attention")
+    looped = counting(monkeypatch, backends, "grouped_attention")
     prompts, params = mixed_requests()
     options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)
     expected = load_engine("step14_7").LLM(model, **options).generate(prompts, params)
     llm = load_engine(step).LLM(model, attention_backend="triton", **options)
     if step == "step17":
-        llm.runner.split_rule["min_tokens_per_split"] = 8
+        llm.model.attention_backend.split_rule["min_tokens_per_split"] = 8
     schedule, decodes, steps_with = llm.scheduler.schedule, 0, {"decodes": 0, "chunks": 0}
 
     def counted_schedule():

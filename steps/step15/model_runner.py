@@ -1,17 +1,17 @@
 """The model runner: the engine's one door to the model.
 
 It owns the model and the KV cache (allocates it, sized from the device's memory), turns the scheduled
-sequences into the tensors the model reads (input ids, positions, one AttentionMetadata), runs the forward,
-and samples the next tokens. The scheduler and the block manager never touch a tensor; the model never
-sees a sequence.
+sequences into the tensors the model reads (input ids, positions, the slot mapping, and one AttentionMetadata
+that the model's attention backend builds: attention.py), runs the forward, and samples the next tokens. The
+scheduler and the block manager never touch a tensor; the model never sees a sequence.
 """
 from __future__ import annotations
 
-from itertools import chain
+from types import SimpleNamespace
 
 import torch
 
-from .model import AttentionMetadata, PrefillMetadata, CausalLM, KVCache, causal_mask, context_slots, slot_mapping
+from .model import CausalLM, KVCache, slot_mapping
 from .sampler import sample_batch
 from .sequence import Sequence
 
@@ -36,16 +36,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def padded_block_tables(tables: list[list[int]]) -> torch.Tensor:
-    """Block tables of different lengths -> int32 [S, widest] on the CPU, each row padded with 0 (entries past a
-    sequence's context, never read): one tensor of all the ids, written into the rows by one boolean mask."""
-    lengths = torch.tensor([len(t) for t in tables])  # [S]
-    padded = torch.zeros(len(tables), int(lengths.max()), dtype=torch.int32)
-    padded[torch.arange(padded.shape[1]) < lengths[:, None]] = torch.tensor(list(chain.from_iterable(tables)),
-                                                                              dtype=torch.int32)
-    return padded
 
 
 class ModelRunner:
@@ -90,9 +80,11 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.model.kv_cache = KVCache(self.model.config, num_blocks, block_size, self.device, self.dtype)
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # [num_tokens]
-        positions = torch.arange(num_tokens, device=self.device)  # [num_tokens]
-        self.model.forward(input_ids, positions, self._metadata([0], [num_tokens], [list(range(num_blocks))], block_size))
+        # One prompt of num_tokens tokens, as the attention backend reads a sequence: its metadata is built by the
+        # backend that will run (the kernels' on the triton path), through the same prepare as every step.
+        prompt = SimpleNamespace(token_ids=[0] * num_tokens, num_computed_tokens=0, num_tokens=num_tokens,
+                                 block_table=list(range(num_blocks)))
+        self.model.forward(*self.prepare([(prompt, num_tokens)], block_size))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.model.kv_cache = None
@@ -100,50 +92,20 @@ class ModelRunner:
         return peak - num_blocks * block_size * kv_bytes_per_token(self.model.config, self.dtype)
 
     # ---- one engine step ----------------------------------------------------------------------------------
-    def prepare(self, work: list[tuple[Sequence, int]]):
+    def prepare(self, work: list[tuple[Sequence, int]], block_size: int | None = None):
         """Every scheduled (sequence, number of new tokens) -> one flat batch: input ids and positions [N], and
-        the attention metadata. A decode is a sequence with one new token; a prefill chunk has n."""
+        the attention metadata (built by the model's attention backend, attention.py). A decode is a sequence
+        with one new token; a prefill chunk has n."""
+        block_size = block_size or self.kv_cache.data.shape[3]
         ids, positions = [], []
         for seq, n in work:
             start = seq.num_computed_tokens
             ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
-        # The scheduler puts the decodes first; with the kernel, only they still need the loop's metadata.
-        first = sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
-        kernel = self.model.attention_backend == "triton" and first < len(work)
-        metadata = self._metadata([seq.num_computed_tokens for seq, _ in work], [n for _, n in work],
-                                  [seq.block_table for seq, _ in work], loop_seqs=first if kernel else None)
-        if kernel:
-            metadata.prefill = self._prefill_metadata(work[first:], metadata.cu_seqlens_q[first])
+        slots = slot_mapping([seq.num_computed_tokens for seq, _ in work], [n for _, n in work],
+                             [seq.block_table for seq, _ in work], block_size)  # [N]: where the K/V write goes
+        metadata = self.model.attention_backend.metadata(work, to_device(slots, self.device), block_size)
         return to_device(torch.tensor(ids), self.device), to_device(torch.tensor(positions), self.device), metadata
-
-    def _metadata(self, starts: list[int], query_lens: list[int], block_tables: list[list[int]], block_size=None,
-                  loop_seqs: int | None = None):
-        """The attention metadata of S sequences with query_lens[i] new tokens each: cumulative lengths, the slot
-        mapping, each sequence's context slots and causal mask, computed once here for every layer. loop_seqs:
-        how many sequences (the first ones) attend in the per-sequence loop (None: all); the kernel's sequences
-        need no context slots or mask."""
-        block_size = block_size or self.kv_cache.data.shape[3]
-        cu_q = [0]
-        for n in query_lens:
-            cu_q.append(cu_q[-1] + n)
-        slots = to_device(slot_mapping(starts, query_lens, block_tables, block_size), self.device)
-        looped = list(zip(starts, query_lens, block_tables))[:loop_seqs]
-        context = [context_slots(table, start + n, block_size, self.device) for start, n, table in looped]
-        masks = [causal_mask(start, n, self.device) for start, n, _ in looped]  # None for decodes
-        return AttentionMetadata(cu_q, slots, context, masks)
-
-    def _prefill_metadata(self, work, token_start: int) -> PrefillMetadata:
-        """The prefill chunks as the kernel reads them: int32 tensors of their block tables (padded), query
-        offsets and context lengths."""
-        tables = padded_block_tables([seq.block_table for seq, _ in work])  # [P, widest]
-        cu = [0]
-        for _, n in work:
-            cu.append(cu[-1] + n)
-        lens = [seq.num_computed_tokens + n for seq, n in work]
-        as_tensor = lambda x: to_device(torch.tensor(x, dtype=torch.int32), self.device)  # noqa: E731
-        return PrefillMetadata(token_start, to_device(tables, self.device), as_tensor(cu), as_tensor(lens),
-                               max(n for _, n in work))
 
     def execute(self, decodes: list[Sequence], chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run the scheduled work in one forward: the decodes and every prefill chunk side by side in one flat

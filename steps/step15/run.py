@@ -35,19 +35,19 @@ def main() -> None:
 def show_lesson(llm, args) -> None:
     show_kernel(llm)
     before_after("step14_7", "step15", llm, args)
-    if llm.model.attention_backend != "triton":
+    if llm.model.attention_backend.name != "triton":
         print("Both engines ran the same per-sequence loop here: what the kernels change needs a GPU (the chapter "
               "has the H200's figures).")
 
 
 def print_attention_backend(llm) -> None:
     """Which attention path the engine runs: this step's kernels, or step14_7's loop (their reference math)."""
-    if llm.model.attention_backend == "triton":
+    if llm.model.attention_backend.name == "triton":
         path = "prefill chunks: one Triton kernel launch per layer (kernels/attention.py); decodes: the loop"
     else:
         path = "every sequence through step14_7's loop (the kernels' reference math); " + (
             "no CUDA device here" if llm.device.type != "cuda" else "as asked")
-    print(f"attention backend: {llm.model.attention_backend} -> {path}")
+    print(f"attention backend: {llm.model.attention_backend.name} -> {path}")
 
 
 def paged_prompt(llm, T: int, seed: int = 0):

@@ -11,6 +11,7 @@ The anatomy is step14's:
     scheduler.py      which sequences run in the next step, and how many tokens each
     block_manager.py  which cache blocks hold which tokens (paged KV, prefix caching)
     model_runner.py   sequences -> tensors, the forward, the sampler; owns the model and the KV cache
+    attention.py      how attention runs, one object per backend: its metadata per step, its math per layer
 
 and engine.py only wires them. Outputs equal step15's.
 """
@@ -24,6 +25,7 @@ from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams
                     check_engine_options, check_length, normalize_prompts, normalize_sampling_params,
                     resolve_device_dtype, resolve_model)
 
+from .attention import BACKENDS
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .model import CausalLM
@@ -78,7 +80,10 @@ class LLM:
         model_dir = resolve_model(model)
         self.tokenizer = Tokenizer(model_dir)
         self.model = CausalLM.from_pretrained(model_dir, self.device, self.dtype)
-        self.model.attention_backend = choose_attention_backend(attention_backend, self.device)
+        # One object decides how attention runs: its metadata every step (the runner), its attention every layer
+        # (the model). attention.py: TorchAttention (step14_7's loop) or TritonAttention (the kernels).
+        backend = BACKENDS[choose_attention_backend(attention_backend, self.device)]
+        self.model.attention_backend = backend(self.model.config, self.device)
         self.stats = {"prefill_chunks": 0, "decode_steps": 0, "decode_rows": 0, "forwards": 0}  # rows: summed
         self.timers = PhaseTimers(self.device)  # where each step's time goes (timers.py)
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.timers, self.stats)
@@ -90,7 +95,7 @@ class LLM:
         self.backend = (f"plain PyTorch, {self.model.config.model_type} (fused qkv / gate-up), continuous batching + "
                         f"chunked prefill + preemption, paged KV ({num_blocks} blocks of {block_size}, sized by "
                         f"{self.memory['sized_by']}), prefix caching {'on' if enable_prefix_caching else 'off'}, "
-                        f"attention: {self.model.attention_backend}")
+                        f"attention: {self.model.attention_backend.name}")
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.block_manager)

@@ -142,7 +142,7 @@ class CausalLM:
         self.config = config
         self.w = weights
         self.kv_cache: KVCache | None = None  # bound by the model runner once the cache is allocated
-        self.attention_backend = "torch"  # or "triton": kernels/attention.py and kernels/decode.py (set by the engine)
+        self.attention_backend = None  # attention.py's TorchAttention or TritonAttention, bound by the engine
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, device: torch.device, dtype: torch.dtype) -> "CausalLM":
@@ -173,28 +173,8 @@ class CausalLM:
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # views of the one KV tensor
         write_kv(k_cache, attn.slot_mapping, k)  # one scatter for every new token of every sequence
         write_kv(v_cache, attn.slot_mapping, v)
-        outputs = []
-        if self.attention_backend == "torch":  # step14_7's loop: every sequence on its own
-            for i in range(attn.num_seqs):
-                keys = gather_kv(k_cache, attn.context_slots[i])  # [context, kv_heads, head_dim]
-                values = gather_kv(v_cache, attn.context_slots[i])
-                q_i = q[attn.cu_seqlens_q[i]:attn.cu_seqlens_q[i + 1]]  # [T_i, heads, head_dim]
-                outputs.append(grouped_attention(q_i, keys, values, attn.masks[i]))
-            return torch.cat(outputs) @ self.w[p + "o_proj.weight"].T  # [N, hidden]
-        # Two kernels, no Python loop: every decode row in one launch, every prefill chunk in another.
-        from .kernels.attention import paged_attention
-        from .kernels.decode import paged_decode_v2
-
-        if attn.decode is not None:
-            d = attn.decode
-            out = paged_decode_v2(q[:d.num], k_cache, v_cache, d.block_tables, d.seq_lens, c.head_dim ** -0.5)
-            outputs.append(out.reshape(d.num, c.num_heads * c.head_dim))
-        if attn.prefill is not None:
-            f = attn.prefill
-            out = paged_attention(q[f.token_start:], k_cache, v_cache, f.block_tables, f.cu_seqlens_q, f.seq_lens_k,
-                                  c.head_dim ** -0.5, f.max_query_len)
-            outputs.append(out.reshape(-1, c.num_heads * c.head_dim))
-        return torch.cat(outputs) @ self.w[p + "o_proj.weight"].T  # [N, hidden]
+        out = self.attention_backend.forward(q, k_cache, v_cache, attn)  # [N, heads * head_dim] (attention.py)
+        return out @ self.w[p + "o_proj.weight"].T  # [N, hidden]
 
     def mlp(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         p = f"model.layers.{layer}.mlp."

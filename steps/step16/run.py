@@ -35,20 +35,20 @@ def main() -> None:
 
 def show_lesson(llm, args) -> None:
     show_decode_kernels(llm)
-    before_after("step15", "step16", llm, args, attention_backend=llm.model.attention_backend)  # the same path
-    if llm.model.attention_backend != "triton":
+    before_after("step15", "step16", llm, args, attention_backend=llm.model.attention_backend.name)  # the same path
+    if llm.model.attention_backend.name != "triton":
         print("Both engines ran the same per-sequence loop here: what the kernels change needs a GPU (the chapter "
               "has the H200's figures).")
 
 
 def print_attention_backend(llm) -> None:
     """Which attention path the engine runs: this step's kernels, or step14_7's loop (their reference math)."""
-    if llm.model.attention_backend == "triton":
+    if llm.model.attention_backend.name == "triton":
         path = "decodes: one Triton kernel launch per layer (kernels/decode.py, v2); prefill chunks: step15's kernel"
     else:
         path = "every sequence through step14_7's loop (the kernels' reference math); " + (
             "no CUDA device here" if llm.device.type != "cuda" else "as asked")
-    print(f"attention backend: {llm.model.attention_backend} -> {path}")
+    print(f"attention backend: {llm.model.attention_backend.name} -> {path}")
 
 
 def paged_decodes(llm, batch: int, context: int, block_size: int = 16, seed: int = 0):

@@ -1,17 +1,17 @@
 """The model runner: the engine's one door to the model.
 
 It owns the model and the KV cache (allocates it, sized from the device's memory), turns the scheduled
-sequences into the tensors the model reads (input ids, positions, one AttentionMetadata), runs the forward,
-and samples the next tokens. The scheduler and the block manager never touch a tensor; the model never
-sees a sequence.
+sequences into the tensors the model reads (input ids, positions, the slot mapping, and one AttentionMetadata
+that the model's attention backend builds: attention.py), runs the forward, and samples the next tokens. The
+scheduler and the block manager never touch a tensor; the model never sees a sequence.
 """
 from __future__ import annotations
 
-from itertools import chain
+from types import SimpleNamespace
 
 import torch
 
-from .model import AttentionMetadata, DecodeMetadata, PrefillMetadata, CausalLM, KVCache, causal_mask, context_slots, slot_mapping
+from .model import CausalLM, KVCache, slot_mapping
 from .sampler import sample_batch
 from .sequence import Sequence
 
@@ -38,26 +38,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def padded_block_tables(tables: list[list[int]]) -> torch.Tensor:
-    """Block tables of different lengths -> int32 [S, widest] on the CPU, each row padded with 0 (entries past a
-    sequence's context, never read): one tensor of all the ids, written into the rows by one boolean mask."""
-    lengths = torch.tensor([len(t) for t in tables])  # [S]
-    padded = torch.zeros(len(tables), int(lengths.max()), dtype=torch.int32)
-    padded[torch.arange(padded.shape[1]) < lengths[:, None]] = torch.tensor(list(chain.from_iterable(tables)),
-                                                                              dtype=torch.int32)
-    return padded
-
-
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, timers, stats: dict):
         self.model, self.device, self.dtype = model, device, dtype
         self.timers = timers  # the engine's phase timers: "prepare inputs", "forward" and "sample" are ours
         self.stats = stats  # the engine's counters: we count model forwards
         self.kv_cache: KVCache | None = None
-        # Flash decoding's split rule (kernels/decode.py's choose_num_splits): the GPU's multiprocessor count, and
-        # the shortest part worth a program of its own. On a CPU the count only changes how the work is cut.
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        self.split_rule = {"num_sms": sms, "min_tokens_per_split": 256}
 
     # ---- the KV cache -------------------------------------------------------------------------------------
     def allocate_kv_cache(self, max_kv_tokens: int | None, block_size: int, warmup_tokens: int,
@@ -94,14 +80,11 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.model.kv_cache = KVCache(self.model.config, num_blocks, block_size, self.device, self.dtype)
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # [num_tokens]
-        positions = torch.arange(num_tokens, device=self.device)  # [num_tokens]
-        metadata = self._metadata([0], [num_tokens], [list(range(num_blocks))], block_size)
-        if self.model.attention_backend == "triton":  # profile the path that will run: the prefill kernel
-            as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
-            metadata.prefill = PrefillMetadata(0, as_tensor([list(range(num_blocks))]), as_tensor([0, num_tokens]),
-                                               as_tensor([num_tokens]), num_tokens)
-        self.model.forward(input_ids, positions, metadata)
+        # One prompt of num_tokens tokens, as the attention backend reads a sequence: its metadata is built by the
+        # backend that will run (the kernels' on the triton path), through the same prepare as every step.
+        prompt = SimpleNamespace(token_ids=[0] * num_tokens, num_computed_tokens=0, num_tokens=num_tokens,
+                                 block_table=list(range(num_blocks)))
+        self.model.forward(*self.prepare([(prompt, num_tokens)], block_size))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.model.kv_cache = None
@@ -109,61 +92,20 @@ class ModelRunner:
         return peak - num_blocks * block_size * kv_bytes_per_token(self.model.config, self.dtype)
 
     # ---- one engine step ----------------------------------------------------------------------------------
-    def prepare(self, work: list[tuple[Sequence, int]]):
+    def prepare(self, work: list[tuple[Sequence, int]], block_size: int | None = None):
         """Every scheduled (sequence, number of new tokens) -> one flat batch: input ids and positions [N], and
-        the attention metadata. A decode is a sequence with one new token; a prefill chunk has n."""
+        the attention metadata (built by the model's attention backend, attention.py). A decode is a sequence
+        with one new token; a prefill chunk has n."""
+        block_size = block_size or self.kv_cache.data.shape[3]
         ids, positions = [], []
         for seq, n in work:
             start = seq.num_computed_tokens
             ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
-        # The scheduler puts the decodes first. With the kernels nothing is looped, so no sequence needs the
-        # loop's context slots or masks: the decodes get their block tables and lengths, the chunks theirs.
-        first = sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
-        kernels = self.model.attention_backend == "triton"
-        metadata = self._metadata([seq.num_computed_tokens for seq, _ in work], [n for _, n in work],
-                                  [seq.block_table for seq, _ in work], loop_seqs=0 if kernels else None)
-        if kernels and first > 0:  # flash decoding: enough parts per context to fill the GPU, none too short
-            from .kernels.decode import choose_num_splits  # imported with the kernels, only when they run
-
-            tables, _, lens = self._kernel_tensors(work[:first])
-            longest = max(seq.num_tokens for seq, _ in work[:first])
-            splits = choose_num_splits(first, self.model.config.num_kv_heads, longest, **self.split_rule)
-            metadata.decode = DecodeMetadata(first, tables, lens, splits)
-        if kernels and first < len(work):
-            metadata.prefill = self._prefill_metadata(work[first:], metadata.cu_seqlens_q[first])
+        slots = slot_mapping([seq.num_computed_tokens for seq, _ in work], [n for _, n in work],
+                             [seq.block_table for seq, _ in work], block_size)  # [N]: where the K/V write goes
+        metadata = self.model.attention_backend.metadata(work, to_device(slots, self.device), block_size)
         return to_device(torch.tensor(ids), self.device), to_device(torch.tensor(positions), self.device), metadata
-
-    def _metadata(self, starts: list[int], query_lens: list[int], block_tables: list[list[int]], block_size=None,
-                  loop_seqs: int | None = None):
-        """The attention metadata of S sequences with query_lens[i] new tokens each: cumulative lengths, the slot
-        mapping, each sequence's context slots and causal mask, computed once here for every layer. loop_seqs:
-        how many sequences (the first ones) attend in the per-sequence loop (None: all); the kernel's sequences
-        need no context slots or mask."""
-        block_size = block_size or self.kv_cache.data.shape[3]
-        cu_q = [0]
-        for n in query_lens:
-            cu_q.append(cu_q[-1] + n)
-        slots = to_device(slot_mapping(starts, query_lens, block_tables, block_size), self.device)
-        looped = list(zip(starts, query_lens, block_tables))[:loop_seqs]
-        context = [context_slots(table, start + n, block_size, self.device) for start, n, table in looped]
-        masks = [causal_mask(start, n, self.device) for start, n, _ in looped]  # None for decodes
-        return AttentionMetadata(cu_q, slots, context, masks)
-
-    def _kernel_tensors(self, work):
-        """(sequence, new tokens) pairs -> the int32 device tensors the kernels read: block tables padded to the
-        widest [S, max_blocks], cumulative query lengths [S + 1], context lengths after this step [S]."""
-        tables = padded_block_tables([seq.block_table for seq, _ in work])  # [S, widest]
-        cu = [0]
-        for _, n in work:
-            cu.append(cu[-1] + n)
-        lens = [seq.num_computed_tokens + n for seq, n in work]
-        as_tensor = lambda x: to_device(torch.tensor(x, dtype=torch.int32), self.device)  # noqa: E731
-        return to_device(tables, self.device), as_tensor(cu), as_tensor(lens)
-
-    def _prefill_metadata(self, work, token_start: int) -> PrefillMetadata:
-        """The prefill chunks as the flash-attention kernel reads them."""
-        return PrefillMetadata(token_start, *self._kernel_tensors(work), max(n for _, n in work))
 
     def execute(self, decodes: list[Sequence], chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run the scheduled work in one forward: the decodes and every prefill chunk side by side in one flat

@@ -34,21 +34,21 @@ def main() -> None:
 
 def show_lesson(llm, args) -> None:
     show_flash_decoding(llm)
-    before_after("step16", "step17", llm, args, attention_backend=llm.model.attention_backend)  # the same path
-    if llm.model.attention_backend != "triton":
+    before_after("step16", "step17", llm, args, attention_backend=llm.model.attention_backend.name)  # the same path
+    if llm.model.attention_backend.name != "triton":
         print("Both engines ran the same per-sequence loop here: what the kernels change needs a GPU (the chapter "
               "has the H200's figures).")
 
 
 def print_attention_backend(llm) -> None:
     """Which attention path the engine runs: this step's kernels, or step14_7's loop (their reference math)."""
-    if llm.model.attention_backend == "triton":
+    if llm.model.attention_backend.name == "triton":
         path = ("decodes: flash decoding (kernels/decode.py: split kernel + merge kernel per layer, the split count "
                 "chosen each step); prefill chunks: step15's kernel")
     else:
         path = "every sequence through step14_7's loop (the kernels' reference math); " + (
             "no CUDA device here" if llm.device.type != "cuda" else "as asked")
-    print(f"attention backend: {llm.model.attention_backend} -> {path}")
+    print(f"attention backend: {llm.model.attention_backend.name} -> {path}")
 
 
 def show_flash_decoding(llm) -> None:
