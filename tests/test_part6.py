@@ -10,6 +10,7 @@ import torch
 
 from shared import SamplingParams
 from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
+from registry import having, introducing, lesson_and_copies
 
 pytest.importorskip("triton")
 
@@ -51,11 +52,18 @@ QUERY_LENS = [1, 5, 40, 1, 33]
 CACHED = [0, 3, 20, 70, 0]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])  # GQA ratios 1, 3 and 8
-@pytest.mark.parametrize("block_size", [16, 64])
-def test_flash_attention_equals_reference(block_size, heads, kv_heads, head_dim):
-    mod = kernels("step15")
+def prefill_kernel_cases():
+    """Each step's own copy of the prefill kernel: the full grid (block sizes 16 and 64, GQA ratios 1, 3 and 8,
+    head dims 64 and 128) where it is introduced, two corners of it in every later step."""
+    full = [(b, h, kv, d) for b in (16, 64) for h, kv in ((4, 4), (6, 2), (8, 1)) for d in (64, 128)]
+    return [pytest.param(step, *c, id=f"{step}-bs{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}")
+            for step, lesson in lesson_and_copies("triton_prefill")
+            for c in (full if lesson else [(16, 6, 2, 64), (64, 8, 1, 128)])]
+
+
+@pytest.mark.parametrize("step,block_size,heads,kv_heads,head_dim", prefill_kernel_cases())
+def test_flash_attention_equals_reference(step, block_size, heads, kv_heads, head_dim):
+    mod = kernels(step)
     q, k, v, tables, cu, lens = make_case(QUERY_LENS, CACHED, block_size, heads, kv_heads, head_dim, torch.float32)
     scale = head_dim ** -0.5
     expected = mod.attention_reference(q, k, v, tables, cu, lens, scale)
@@ -65,16 +73,18 @@ def test_flash_attention_equals_reference(block_size, heads, kv_heads, head_dim)
 
 
 @pytest.mark.parametrize("tiles", [dict(), dict(block_m=32, block_n=16)])
-def test_flash_attention_fp16(tiles):
-    mod = kernels("step15")
+@pytest.mark.parametrize("step", having("triton_prefill"))
+def test_flash_attention_fp16(step, tiles):
+    mod = kernels(step)
     q, k, v, tables, cu, lens = make_case([3, 1, 20, 64], [10, 30, 0, 5], 16, 8, 2, 64, torch.float16, seed=3)
     expected = mod.attention_reference(q, k, v, tables, cu, lens, 0.125)
     got = mod.paged_attention(q, k, v, tables, cu, lens, 0.125, 64, **tiles)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-3, atol=2e-3)
 
 
-def test_flash_attention_refuses_bad_input():
-    mod = kernels("step15")
+@pytest.mark.parametrize("step", having("triton_prefill"))
+def test_flash_attention_refuses_bad_input(step):
+    mod = kernels(step)
     q, k, v, tables, cu, lens = make_case([2], [0], 16, 4, 4, 64, torch.float32)
     with pytest.raises(ValueError, match="not a multiple"):
         mod.paged_attention(q[:, :3], k, v, tables, cu, lens, 0.1, 2)
@@ -149,8 +159,9 @@ def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
         assert split["n"] > 0 and min(split["splits"]) > 1, split["splits"]  # contexts were really split
 
 
-def test_attention_backend_choice():
-    engine = load_engine("step15")
+@pytest.mark.parametrize("step", having("triton_prefill"))
+def test_attention_backend_choice(step):
+    engine = load_engine(step)
     assert engine.choose_attention_backend(None, torch.device("cpu")) == "torch"
     with pytest.raises(ValueError, match="attention_backend must be"):
         engine.LLM("random:tiny-llama", device="cpu", attention_backend="cuda")
@@ -163,8 +174,9 @@ SHAPES = {"smollm2-135m": (9, 3, 64), "qwen3-0.6b": (16, 8, 128)}  # (query head
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_flash_attention_compiled_bf16(shape, block_size):
-    mod = kernels("step15")
+@pytest.mark.parametrize("step", having("triton_prefill"))
+def test_flash_attention_compiled_bf16(step, shape, block_size):
+    mod = kernels(step)
     heads, kv_heads, head_dim = SHAPES[shape]
     query_lens, cached = [1, 7, 300, 1, 129, 512], [0, 100, 40, 2000, 0, 1000]
     q, k, v, tables, cu, lens = make_case(query_lens, cached, block_size, heads, kv_heads, head_dim, torch.bfloat16)
@@ -174,7 +186,7 @@ def test_flash_attention_compiled_bf16(shape, block_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("step", ["step15"])
+@pytest.mark.parametrize("step", [introducing("triton_prefill")])
 def test_qwen3_shape_matches_hf_in_bf16(step):
     from test_gpu import check_against_hf
 

@@ -1,6 +1,7 @@
-"""Part 6, the decode kernels: step16's paged attention (v1, v2) and step17's flash decoding against their torch
+"""Part 6, the decode kernels: paged attention (v1, v2; step16) and flash decoding (step17) against their torch
 reference, in Triton's interpreter on a CPU (conftest.py sets TRITON_INTERPRET=1 there), compiled on a GPU (the
-`gpu` tests, bf16 at real model shapes)."""
+`gpu` tests, bf16 at real model shapes). Each step's tests run that step's own copy of the kernels (the one its
+engine calls): the full grid where a kernel is introduced, a few cases of it in every later step."""
 import importlib
 import os
 
@@ -8,10 +9,22 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-step16 = importlib.import_module("steps.step16.kernels.decode")
-step17 = importlib.import_module("steps.step17.kernels.decode")
-decode_reference, paged_decode_v1, paged_decode_v2 = step16.decode_reference, step16.paged_decode_v1, step16.paged_decode_v2
-choose_num_splits, flash_decode, flash_decode_partials = step17.choose_num_splits, step17.flash_decode, step17.flash_decode_partials
+from registry import having, introducing, lesson_and_copies
+
+V1_STEP = introducing("triton_decode")  # v1, the first version; the steps after it call v2 and flash decoding
+SPLIT_STEP = introducing("flash_decoding")
+
+
+def decode_kernels(step: str):
+    """steps/<step>/kernels/decode.py: the copy of the kernels that the step's engine calls."""
+    return importlib.import_module(f"steps.{step}.kernels.decode")
+
+
+# step-independent tests (the split rule, bad input, empty batches) use the kernels where they are introduced
+_v1 = decode_kernels(V1_STEP)
+decode_reference, paged_decode_v1, paged_decode_v2 = _v1.decode_reference, _v1.paged_decode_v1, _v1.paged_decode_v2
+_split = decode_kernels(SPLIT_STEP)
+choose_num_splits, flash_decode, flash_decode_partials = _split.choose_num_splits, _split.flash_decode, _split.flash_decode_partials
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
@@ -77,13 +90,26 @@ def test_v1_matches_reference(block_size, num_heads, kv_heads, head_dim, dtype):
     torch.testing.assert_close(out, decode_reference(**case), **TOL[dtype])
 
 
-@pytest.mark.parametrize("block_size,num_heads,kv_heads,head_dim,dtype", _cases())
-@pytest.mark.parametrize("block_n", [16, 64])  # a tile inside one block / a tile spanning several blocks
-def test_v2_matches_reference(block_size, num_heads, kv_heads, head_dim, dtype, block_n):
+def _per_step(feature, full, reduced):
+    """(step, *case) for each step with `feature`: the full list of cases where it is introduced, `reduced`
+    (a few of them) in the later steps, which hold their own copy of the kernel."""
+    return [pytest.param(step, *c.values, id=f"{step}-{c.id}") for step, lesson in lesson_and_copies(feature)
+            for c in (full if lesson else reduced)]
+
+
+def _v2_cases():
+    tiles = (16, 64)  # a tile inside one block / a tile spanning several blocks
+    full = [pytest.param(*c.values, n, id=f"{c.id}-n{n}") for c in _cases() for n in tiles]
+    return _per_step("triton_decode", full, [full[0], full[-1]])
+
+
+@pytest.mark.parametrize("step,block_size,num_heads,kv_heads,head_dim,dtype,block_n", _v2_cases())
+def test_v2_matches_reference(step, block_size, num_heads, kv_heads, head_dim, dtype, block_n):
+    kernels = decode_kernels(step)
     case = make_case(block_size, num_heads, kv_heads, head_dim, dtype)
-    out = paged_decode_v2(**case, block_n=block_n)
+    out = kernels.paged_decode_v2(**case, block_n=block_n)
     assert out.dtype == dtype and out.is_contiguous()
-    torch.testing.assert_close(out, decode_reference(**case), **TOL[dtype])
+    torch.testing.assert_close(out, kernels.decode_reference(**case), **TOL[dtype])
 
 
 def _bad(case, **changes):
@@ -140,16 +166,22 @@ SPLITS = [1, 2, 3, 8, 20]
 BLOCK_N = 16
 
 
-@pytest.mark.parametrize("num_splits", SPLITS)
-@pytest.mark.parametrize("num_heads,kv_heads", HEADS)
-@pytest.mark.parametrize("block_size", [16, 64])
-def test_flash_decode_matches_reference_and_v2(block_size, num_heads, kv_heads, num_splits):
+def _split_cases():
+    full = [pytest.param(b, h, kv, n, id=f"{b}-{h}-{kv}-{n}") for b in (16, 64) for h, kv in HEADS for n in SPLITS]
+    return _per_step("flash_decoding", full, [p for p in full if p.id in ("16-6-2-3", "64-8-1-20")])
+
+
+@pytest.mark.parametrize("step,block_size,num_heads,kv_heads,num_splits", _split_cases())
+def test_flash_decode_matches_reference_and_v2(step, block_size, num_heads, kv_heads, num_splits):
+    """The step's flash decoding equals its reference and its own v2 (the kernel it falls back to), and the
+    v2 where v2 is introduced."""
+    kernels = decode_kernels(step)
     case = make_case(block_size, num_heads, kv_heads, 64, torch.float32)
-    out = flash_decode(**case, num_splits=num_splits, block_n=BLOCK_N)
+    out = kernels.flash_decode(**case, num_splits=num_splits, block_n=BLOCK_N)
     assert out.dtype == torch.float32 and out.is_contiguous() and not out.isnan().any()
-    torch.testing.assert_close(out, step17.decode_reference(**case), **TOL[torch.float32])
+    torch.testing.assert_close(out, kernels.decode_reference(**case), **TOL[torch.float32])
+    torch.testing.assert_close(out, kernels.paged_decode_v2(**case, block_n=BLOCK_N), **TOL[torch.float32])
     torch.testing.assert_close(out, paged_decode_v2(**case, block_n=BLOCK_N), **TOL[torch.float32])
-    torch.testing.assert_close(out, step17.paged_decode_v2(**case, block_n=BLOCK_N), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("block_size,num_heads,kv_heads,head_dim,dtype,num_splits", [
@@ -162,12 +194,12 @@ def test_flash_decode_more_shapes(block_size, num_heads, kv_heads, head_dim, dty
     case = make_case(block_size, num_heads, kv_heads, head_dim, dtype)
     out = flash_decode(**case, num_splits=num_splits, block_n=BLOCK_N)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, step17.decode_reference(**case), **TOL[dtype])
+    torch.testing.assert_close(out, _split.decode_reference(**case), **TOL[dtype])
 
 
 def test_flash_decode_default_tile():
     case = make_case(64, 6, 2, 64, torch.float32)  # BLOCK_N 64: tiles of one whole block each
-    torch.testing.assert_close(flash_decode(**case, num_splits=3), step17.decode_reference(**case), **TOL[torch.float32])
+    torch.testing.assert_close(flash_decode(**case, num_splits=3), _split.decode_reference(**case), **TOL[torch.float32])
 
 
 def test_choose_num_splits_examples():
@@ -238,9 +270,15 @@ GPU_SHAPES = [(9, 3, 64), (16, 8, 128)]  # SmolLM2-135M's (query heads, KV heads
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,kv_heads,head_dim", GPU_SHAPES)
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_decode_kernels_compiled_bf16(block_size, num_heads, kv_heads, head_dim):
+@pytest.mark.parametrize("step", having("triton_decode"))
+def test_decode_kernels_compiled_bf16(step, block_size, num_heads, kv_heads, head_dim):
+    kernels = decode_kernels(step)
     case = make_case(block_size, num_heads, kv_heads, head_dim, torch.bfloat16)
-    expected = decode_reference(**case).float()
-    for name, out in (("v1", paged_decode_v1(**case)), ("v2", paged_decode_v2(**case)),
-                      *((f"flash {n}", flash_decode(**case, num_splits=n)) for n in (1, 2, 3, 8, 64))):
+    expected = kernels.decode_reference(**case).float()
+    versions = [("v1", kernels.paged_decode_v1)] if hasattr(kernels, "paged_decode_v1") else []
+    versions.append(("v2", kernels.paged_decode_v2))
+    if hasattr(kernels, "flash_decode"):
+        versions += [(f"flash {n}", lambda n=n, **c: kernels.flash_decode(**c, num_splits=n)) for n in (1, 2, 3, 8, 64)]
+    for name, kernel in versions:
+        out = kernel(**case)
         torch.testing.assert_close(out.float(), expected, **TOL[torch.bfloat16], msg=name)
