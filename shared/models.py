@@ -11,6 +11,8 @@ The cache folder is `<repo>/.cache` (git-ignored), or $LLM_STEPS_CACHE when set.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -99,11 +101,32 @@ def _gguf_path() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _one_builder(out: Path):
+    """Hold a lock beside `out` while it is built: several processes that need the same folder at once (the test
+    workers on a fresh clone) build it one at a time, and each checks again for the finished folder once it holds
+    the lock, so only the first builds it. The others wait and use it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def tokenizer_dir() -> Path:
     """The SmolLM2 tokenizer files alone (a few MB), also used by the random-weight models."""
     out = cache_dir() / "tokenizers" / "smollm2"
     if (out / "tokenizer.json").is_file():
         return out
+    with _one_builder(out):
+        if not (out / "tokenizer.json").is_file():
+            _extract_tokenizer(out)
+    return out
+
+
+def _extract_tokenizer(out: Path) -> None:
     gguf = _gguf_path()
     from transformers import AutoTokenizer
 
@@ -116,13 +139,19 @@ def tokenizer_dir() -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     _progress(f"tokenizer extracted in {time.perf_counter() - start:.1f} s")
-    return out
 
 
 def _converted_smollm2() -> Path:
     out = cache_dir() / "models" / DEFAULT_MODEL
     if (out / "model.safetensors").is_file():
         return out
+    with _one_builder(out):
+        if not (out / "model.safetensors").is_file():
+            _convert_smollm2(out)
+    return out
+
+
+def _convert_smollm2(out: Path) -> None:
     gguf = _gguf_path()
     import torch
     from transformers import AutoModelForCausalLM
@@ -145,7 +174,6 @@ def _converted_smollm2() -> Path:
     tmp.rename(out)
     size_mb = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     _progress(f"converted in {time.perf_counter() - start:.1f} s: {out} ({size_mb:.0f} MiB)")
-    return out
 
 
 def _hf_config_dict(shape: dict) -> dict:
@@ -207,6 +235,13 @@ def _random_model(shape: str) -> Path:
     out = cache_dir() / "models" / f"random-{shape}-seed{RANDOM_SEED}"
     if (out / "model.safetensors").is_file():
         return out
+    with _one_builder(out):
+        if not (out / "model.safetensors").is_file():
+            _build_random_model(shape, out)
+    return out
+
+
+def _build_random_model(shape: str, out: Path) -> None:
     from safetensors.torch import save_file
 
     _progress(f"building random:{shape} (seed {RANDOM_SEED}) in {out} (once) ...")
@@ -224,4 +259,3 @@ def _random_model(shape: str) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     _progress(f"built random:{shape} in {time.perf_counter() - start:.1f} s")
-    return out

@@ -47,3 +47,21 @@ def test_a_tokenizer_is_loaded_once_per_folder_and_again_when_its_files_change(t
     config = folder / "tokenizer_config.json"
     os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))  # the file changed
     assert Tokenizer(folder).hf is not a.hf
+
+
+def test_two_processes_build_the_same_model_into_an_empty_cache_at_once(tmp_path):
+    """The test workers of a fresh clone ask for the same models at the same moment: one builds, the other waits
+    for it (a lock beside the folder) and loads the result, instead of both writing one temporary folder."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LLM_STEPS_CACHE": str(tmp_path / "cache")}
+    code = "from shared import resolve_model; print(resolve_model('random:tiny-llama'))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    assert all(rc == 0 for _, _, rc in results), [err[-2000:] for _, err, _ in results]
+    built = [err.count("building random:tiny-llama") for _, err, _ in results]
+    assert sorted(built) == [0, 1], f"exactly one process builds the model: {built}"
+    assert (tmp_path / "cache" / "models" / "random-tiny-llama-seed1234" / "model.safetensors").is_file()
