@@ -185,7 +185,7 @@ MUTATIONS = [
         ("tests/test_part6_decode.py::test_v1_matches_reference",)),
     # Not in the table (yet): the golden file, and a kernel of step17's own copy.
     Mutation(
-        "step02-rope-k-only", "step02's attention rotates k but not q (only the golden file catches it)",
+        "step02-rope-k-only", "step02's attention rotates k but not q (the comparison with the golden file)",
         "steps/step02/model.py",
         "q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)",
         "q, k = q, apply_rope(k, cos, sin)",

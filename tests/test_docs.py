@@ -121,3 +121,13 @@ def test_every_step_has_a_chapter():
         text = chapter.read_text()
         for heading in ("## The problem", "## The idea", "## The code", "## Proof", "## Result", "## Try it"):
             assert heading in text, f"{chapter} lacks {heading!r}"
+
+
+def test_the_readme_quotes_the_measured_test_times():
+    """The README's test times are those of docs/data/test_suite.json (python docs/data/measure_test_suite.py)."""
+    suite = json.loads((ROOT / "docs" / "data" / "test_suite.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert suite["command"].startswith("python docs/data/measure_test_suite.py")
+    for quoted in (f"{suite['full']['tests']:,} tests", f"in {suite['full']['minutes']} min",
+                   f"{suite['fast']['tests']:,} tests in {suite['fast']['minutes']} min", f"{suite['ci']['minutes']} min"):
+        assert quoted in readme, f"README.md should say {quoted!r} (docs/data/test_suite.json)"

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from registry import REGISTRY, STEPS, NEWEST, part_ends  # noqa: E402  (tests/registry.py)
+from registry import NEWEST, STEPS, part_ends  # noqa: E402  (tests/registry.py)
 
 WORKERS = 2  # the Makefile's PYTEST_WORKERS
 
@@ -62,11 +62,46 @@ def step_of(name: str) -> str | None:
     return max(found, key=len) if found else None
 
 
+def project(data: dict) -> dict:
+    """What one more step costs, and the suite's time at more steps, from the measured per-step times.
+
+    A new step is a copy of the newest one: it brings every test the newest step has, and once a newer step
+    follows it, it costs what the step before the newest costs now (that step's own copies of the kernels and the
+    tiny-model tests, no real model unless it ends a Part). A Part's last step adds the real-model tests."""
+    per_step, ends = data["step_seconds"], set(part_ends())
+    plain = [s for s in STEPS[:-1] if s not in ends]  # steps that are neither a Part's end nor the newest
+    step_cost = per_step[plain[-1]]
+    ordinary = [per_step[s] for s in plain if s != STEPS[0]]
+    part_end_extra = max(statistics.median([per_step[s] for s in ends if s != NEWEST]) - statistics.median(ordinary),
+                         0.0)
+    parts_now, wall = len(ends), data["full"]["wall_s"]
+    setup = (data.get("ci") or {}).get("setup_s")
+
+    def projected(num_steps: int, parts: int) -> float:
+        return wall + ((num_steps - len(STEPS)) * step_cost + (parts - parts_now) * part_end_extra) / WORKERS
+
+    return {"new_step_like": plain[-1], "new_step_seconds": round(step_cost, 1),
+            "part_end_extra_seconds": round(part_end_extra, 1),
+            "projection": [{"steps": n, "parts": p, "full_wall_s": round(projected(n, p), 1),
+                            "full_minutes": round(projected(n, p) / 60, 1),
+                            "ci_minutes": round((setup + projected(n, p)) / 60, 1) if setup else None}
+                           for n, p in ((len(STEPS), parts_now), (28, parts_now + 1), (32, parts_now + 3))]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recompute", action="store_true",
+                        help="only recompute the projection of docs/data/test_suite.json from its measured times")
     parser.add_argument("--setup-s", type=float, default=None,
                         help="seconds that `make .venv/.installed` took in this fresh clone (CI's set-up)")
     args = parser.parse_args()
+    out = Path(__file__).resolve().parent / "test_suite.json"
+    if args.recompute:
+        data = json.loads(out.read_text())
+        data.update(project(data))
+        out.write_text(json.dumps(data, indent=1) + "\n")
+        print(json.dumps({k: data[k] for k in ("new_step_like", "new_step_seconds", "projection")}))
+        return
     from shared.models import cache_dir
 
     cold_cache = not (cache_dir() / "models").is_dir()
@@ -86,17 +121,6 @@ def main() -> None:
         if step:
             per_step[step] += seconds
     total = sum(t for _, t in times)
-    ends = set(part_ends()) | {NEWEST}
-    ordinary = [per_step[s.name] for s in REGISTRY if s.name not in ends and s.name != STEPS[0]]
-    real_model = [per_step[s] for s in part_ends() if s != NEWEST]
-    step_cost = statistics.median(ordinary)
-    part_end_extra = max(statistics.median(real_model) - step_cost, 0.0)
-    parts_now = len(part_ends())
-
-    def projected(num_steps: int, parts: int) -> float:
-        more_steps, more_parts = num_steps - len(STEPS), parts - parts_now
-        return full["wall_s"] + (more_steps * step_cost + more_parts * part_end_extra) / WORKERS
-
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                 capture_output=True, text=True).stdout.strip())
@@ -106,20 +130,15 @@ def main() -> None:
         "cold_model_cache": cold_cache,
         "date": date.today().isoformat(), "git_commit": commit, "git_dirty": dirty,
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}",
-        "workers": WORKERS, "steps": len(STEPS), "parts": parts_now,
+        "workers": WORKERS, "steps": len(STEPS), "parts": len(part_ends()),
         "full": {**full, "minutes": round(full["wall_s"] / 60, 1)},
         "fast": {**fast, "minutes": round(fast["wall_s"] / 60, 1)},
         "ci": ({"setup_s": args.setup_s, "wall_s": round(args.setup_s + full["wall_s"], 1),
                 "minutes": round((args.setup_s + full["wall_s"]) / 60, 1)} if args.setup_s and cold_cache else None),
         "test_seconds_total": round(total, 1),
         "step_seconds": {s: round(v, 1) for s, v in per_step.items()},
-        "new_step_seconds": round(step_cost, 1),
-        "part_end_extra_seconds": round(part_end_extra, 1),
-        "projection": [{"steps": n, "parts": p, "full_wall_s": round(projected(n, p), 1),
-                        "full_minutes": round(projected(n, p) / 60, 1)}
-                       for n, p in ((len(STEPS), parts_now), (28, parts_now + 1), (32, parts_now + 3))],
     }
-    out = Path(__file__).resolve().parent / "test_suite.json"
+    data.update(project(data))
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(json.dumps({k: data[k] for k in ("full", "fast", "ci", "new_step_seconds", "projection")}))
     print(f"written: {out}", file=sys.stderr)
