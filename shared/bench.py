@@ -66,6 +66,19 @@ def shared_prefix_workload(tokenizer, max_tokens: int = 128, num_requests: int =
     return prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
+def nano_vllm_workload(tokenizer, max_tokens: int = 128, num_requests: int = 256, seed: int = 0):
+    """nano-vllm's bench workload, so figures compare with its published ones: 256 requests, prompts of 100-1,024
+    random token ids, 100-1,024 new tokens each (drawn from a fixed seed), ignore_eos. Greedy here (nano-vllm
+    samples at temperature 0.6; the work per token is the same). max_tokens is not used: the lengths are the
+    workload's."""
+    rng = random.Random(seed)
+    vocab = min(tokenizer.hf.vocab_size, 10000)  # nano-vllm draws its ids below 10,000
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(100, 1024), ignore_eos=True)
+              for _ in range(num_requests)]
+    return prompts, params
+
+
 def single_workload(tokenizer, max_tokens: int = 128):
     """The standard workload's first chat prompt alone: batch 1, where per-token overheads show most."""
     prompts, params = standard_workload(tokenizer, max_tokens)
@@ -73,7 +86,9 @@ def single_workload(tokenizer, max_tokens: int = 128):
 
 
 WORKLOADS = {"standard": standard_workload, "single": single_workload, "mixed": mixed_workload,
-             "shared-prefix": shared_prefix_workload}
+             "shared-prefix": shared_prefix_workload, "nano-vllm": nano_vllm_workload}
+# The engine options `python -m shared.bench` can set (each only for a step whose LLM takes it).
+ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_kv_tokens")
 
 
 def _progress(msg: str) -> None:
@@ -109,17 +124,37 @@ def decode_weight_bytes(model: str, bytes_per_weight: int) -> int:
     return count * bytes_per_weight
 
 
+def step_engine_options(step: str) -> set[str]:
+    """Which of ENGINE_OPTIONS the step's LLM takes (read from its signature, without importing torch)."""
+    import ast
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "steps" / step / "engine.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "LLM":
+            for f in node.body:
+                if isinstance(f, ast.FunctionDef) and f.name == "__init__":
+                    return {a.arg for a in f.args.args} & set(ENGINE_OPTIONS)
+    raise ValueError(f"{step}: engine.py has no LLM.__init__")
+
+
 def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "standard", max_tokens: int = 128,
-              repeat: int | None = None, max_num_seqs: int | None = None) -> dict:
+              repeat: int | None = None, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+              max_kv_tokens: int | None = None) -> dict:
     """Run the workload `repeat` times (default: 3 on CUDA, 1 on CPU) after a warm-up; report the median run.
-    max_num_seqs: the engine's seats (None: the step's default); HF's padded batch always holds every request."""
+    max_num_seqs (the engine's seats), max_num_batched_tokens, max_kv_tokens: engine options (None: the step's
+    default); a step whose LLM has no such option refuses it. HF's padded batch always holds every request."""
     import importlib
 
     import torch
 
+    options = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                                 ("max_kv_tokens", max_kv_tokens)) if v is not None}
+    unknown = sorted(set(options) - step_engine_options(step))
+    if unknown:
+        raise ValueError(f"{step}'s LLM has no option {', '.join(unknown)}")
     _progress(f"{step}: loading {model} ...")
     engine = importlib.import_module(f"steps.{step}.engine")
-    llm = engine.LLM(model, device=device, dtype=dtype, **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}))
+    llm = engine.LLM(model, device=device, dtype=dtype, **options)
     prompts, params = WORKLOADS[workload](llm.tokenizer, max_tokens)
     if repeat is None:
         repeat = 3 if llm.device.type == "cuda" else 1  # the CPU runs are long and steady; the GPU's are short
@@ -143,7 +178,8 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
     result = dict(
         step=step, model=model, device=str(llm.device), dtype=str(llm.dtype).replace("torch.", ""),
         backend=llm.backend, workload=workload, requests=len(prompts), generated_tokens=generated,
-        max_num_seqs=getattr(getattr(llm, "scheduler", None), "max_num_seqs", None), repeat=repeat, wall_s=wall, tokens_per_s=tokens_per_s, ttft_median_ms=ttft * 1000,
+        max_num_seqs=getattr(getattr(llm, "scheduler", None), "max_num_seqs", None), options=options,
+        repeat=repeat, wall_s=wall, tokens_per_s=tokens_per_s, ttft_median_ms=ttft * 1000,
         peak_memory_mb=peak_mb, peak_memory_kind=peak_kind,
     )
     if llm.device.type == "cuda":
@@ -446,15 +482,22 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=None, help="runs of the workload (default: 3 on cuda, 1 on cpu)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="the engine's seats, sequences in one step (default: the step's own default)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the engine's token budget per step (default: the step's own)")
+    parser.add_argument("--max-kv-tokens", type=int, default=None,
+                        help="the engine's KV pool in tokens (default: the step's own; on CUDA, sized from memory)")
     args = parser.parse_args()
+    options = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_kv_tokens=args.max_kv_tokens)
     for flag, value in (("--max-tokens", args.max_tokens), ("--repeat", args.repeat),
-                        ("--max-num-seqs", args.max_num_seqs)):
+                        *((f"--{k.replace('_', '-')}", v) for k, v in options.items())):
         if value is not None and value < 1:
             parser.error(f"argument {flag}: must be at least 1, got {value}")
-    if args.hf and args.max_num_seqs:
-        parser.error("--max-num-seqs is an engine option: HF's baselines are served with HF's own batching")
+    given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None]
+    if args.hf and given:
+        parser.error(f"{', '.join(given)}: engine options; HF's baselines are served with HF's own batching")
     hf_benches = {"generate": run_hf_bench, "cb": run_hf_cb_bench}
-    bench = hf_benches[args.hf] if args.hf else functools.partial(run_bench, args.step, max_num_seqs=args.max_num_seqs)
+    bench = hf_benches[args.hf] if args.hf else functools.partial(run_bench, args.step, **options)
     try:
         result = bench(args.model, args.device, args.dtype, args.workload, args.max_tokens, args.repeat)
     except ValueError as e:  # bad input (model, device, dtype, a workload HF cannot serve): one line, no traceback

@@ -12,13 +12,21 @@ A chapter's own run goes in beside the others, under its own workload keys, with
         --results /tmp/mixed.jsonl --command "mixed=python -m shared.bench ..."     -> workload "mixed-step10"
 With --merge the file's other workloads and its description stay; the new entries carry their own model, date
 and commit (the docs' captions name them).
+
+Each entry names its run (--run, shown with every figure quoted from it) and may be the site's run for its
+workload and model (--canonical): the one the summaries and most chapters quote (docs/hooks/figures.py).
+Results of docs/data/bench_all_steps.py carry the part of the call they ran in ("alone", "lanes",
+"calibration"); with --calls each file is one device call (numbered in order). A calibration result, and a step
+measured again in a later file, go to the entry's "calibration" list instead of its steps: the same step alone
+and in lanes, which says what sharing the machine cost.
 """
 import argparse
 import json
 from pathlib import Path
 
 KEEP = ("label", "tokens_per_s", "ttft_median_ms", "peak_memory_mb", "peak_memory_kind", "generated_tokens", "requests",
-        "repeat", "wall_s", "backend", "device", "dtype", "roofline_tokens_per_s_batch1", "bandwidth_gbs", "weight_mb")
+        "repeat", "wall_s", "backend", "device", "dtype", "roofline_tokens_per_s_batch1", "bandwidth_gbs", "weight_mb",
+        "max_num_seqs", "options", "part", "lanes", "call")
 
 
 def read_results(path: Path) -> list[dict]:
@@ -40,17 +48,32 @@ def main() -> None:
     p.add_argument("--command", nargs="+", default=[], help="WORKLOAD=COMMAND")
     p.add_argument("--suffix", default="", help="store each workload as WORKLOAD-SUFFIX (a chapter's own run)")
     p.add_argument("--merge", action="store_true", help="add to the existing file instead of rewriting it")
+    p.add_argument("--run", default="", help="the run's name, quoted with its figures (e.g. \"the all-steps run\")")
+    p.add_argument("--canonical", action="store_true", help="the site's run for this workload and model")
+    p.add_argument("--calls", action="store_true", help="each --results file is one device call, in order")
+    p.add_argument("--max-tokens", type=int, default=128, help="the workload's --max-tokens")
+    p.add_argument("--not-finished", nargs="*", default=[], help="STEP=SECONDS: stopped, unfinished, after SECONDS")
     args = p.parse_args()
     commands = dict(c.split("=", 1) for c in args.command)
     workloads: dict = {}
-    for path in args.results:
+    for call, path in enumerate(args.results, 1):
         for r in read_results(path):
             assert r["model"] == args.model, (r["model"], args.model)
             key = f"{r['workload']}-{args.suffix}" if args.suffix else r["workload"]
             wl = workloads.setdefault(key, {"command": commands.get(r["workload"], "?"), "steps": {}})
             if args.merge:
                 wl.update(model=args.model, date=args.date, git_commit=args.commit)
-            wl["steps"][r["step"]] = {k: r[k] for k in KEEP if k in r}
+            wl.update(max_tokens=args.max_tokens, **({"run": args.run} if args.run else {}),
+                      **({"canonical": True} if args.canonical else {}))
+            if args.not_finished:
+                wl["not_finished"] = {k: float(v) for k, v in (x.split("=", 1) for x in args.not_finished)}
+            if args.calls:
+                r = dict(r, call=call)
+            kept = {k: r[k] for k in KEEP if k in r}
+            if r.get("part") == "calibration" or r["step"] in wl["steps"]:
+                wl.setdefault("calibration", []).append(dict(kept, step=r["step"]))
+            else:
+                wl["steps"][r["step"]] = kept
     target = Path(__file__).resolve().parent / f"{args.device}.json"
     if args.merge:
         out = json.loads(target.read_text())
