@@ -64,7 +64,7 @@ def test_no_code_line_wider_than_the_column(site):
 
 def test_every_marker_was_rendered_and_every_figure_exists(site):
     for path, text in _pages(site).items():
-        leftover = re.findall(r"<!--\s*(bench-[a-z]+|figure|fig-[a-z]+|step-[a-z]+|suite-[a-z]+):", text)
+        leftover = re.findall(r"<!--\s*(bench-[a-z]+|figure|fig-[a-z]+|step-[a-z]+|suite-[a-z]+|data|calc|raw):", text)
         assert not leftover, f"{path}: unrendered markers {leftover}"
         for src in re.findall(r'<img class="figure" src="([^"]+)"', text):
             assert (path.parent / src).resolve().is_file(), f"{path}: missing figure {src}"
@@ -111,6 +111,89 @@ def test_chapters_quote_no_benchmark_table_by_hand():
         for line in page.read_text().splitlines():
             if line.startswith("|") and re.search(r"tokens/s", line):
                 pytest.fail(f"{page.name}: a hand-written benchmark table: {line}")
+
+
+def _figures_hook():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("figures_hook", ROOT / "docs" / "hooks" / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_one_measurement_one_value_across_pages(site):
+    """Every figure the pages quote from a benchmark run is in the ledger the build writes (quotes.json), with the
+    measurement it is of. A measurement quoted with two values is allowed only where each value that is not from
+    the site's own run names its run; the build checks it (and fails), and so does this test, on the ledger."""
+    quotes = json.loads((site / "quotes.json").read_text())
+    assert _figures_hook().check_quotes(quotes) == []
+    # The summaries quote the site's run of every step, on the home page and on the benchmarks page.
+    for page in ("index.md", "reference/benchmarks.md"):
+        quoted = {q["measurement"][6] for q in quotes if q["page"] == page and q["canonical"]
+                  and q["measurement"][:2] == ["h200", "mixed"] and q["measurement"][7] == "tokens_per_s"}
+        assert set(STEPS) <= quoted, f"{page} lacks the all-steps run of {sorted(set(STEPS) - quoted)}"
+    pages = {q["page"] for q in quotes}
+    assert len(pages) > 10, pages
+
+
+def test_the_quote_check_fails_on_two_values_of_one_measurement():
+    hook = _figures_hook()
+    m = ["h200", "mixed", "random:smollm2-135m", 128, 16, "", "step09", "tokens_per_s"]
+    site_run = {"page": "index.md", "measurement": m, "run": "the all-steps run", "canonical": True, "value": "78.0",
+                "labelled": False}
+    other = {"page": "steps/step10.md", "measurement": m, "run": "Part 4's run", "canonical": False, "value": "98.4",
+             "labelled": False}
+    problems = hook.check_quotes([site_run, other])
+    assert len(problems) == 1 and "step10.md" in problems[0] and "98.4" in problems[0] and "78.0" in problems[0]
+    assert hook.check_quotes([site_run, dict(other, labelled=True)]) == []  # it says which run: allowed
+    assert hook.check_quotes([site_run, dict(other, value="78.0")]) == []  # the same value: nothing to reconcile
+    two_sites = [site_run, dict(site_run, page="steps/step09.md", value="70.2")]
+    assert len(hook.check_quotes(two_sites)) == 1  # two runs both called the site's own: a data error
+    assert hook.check_quotes([site_run, dict(other, measurement=m[:4] + [64] + m[5:])]) == []  # another measurement
+
+
+# A measured figure typed into prose would drift from docs/data/; these units are what the benchmarks measure.
+TYPED_FIGURE = re.compile(r"(?<![\w.{])\d[\d,]*(?:\.\d+)?\s?(?:tokens/s|GB/s|TB/s|TFLOP/s)"
+                          r"|(?<![\w.])\d+(?:\.\d+)?%\s+of\s+(?:the\s+)?(?:measured\s+)?copy\s+bandwidth"
+                          r"|(?<![\w.])\d+(?:\.\d+)?x\s+(?:faster|slower)")
+
+
+def typed_figures(text: str) -> list[str]:
+    """Measured-looking figures typed into a page's prose and tables: outside code blocks and markers. A line that
+    quotes a datasheet (a published limit, not a measurement) is not counted."""
+    found, in_code = [], False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+            continue
+        if in_code or "datasheet" in line:
+            continue
+        for m in TYPED_FIGURE.finditer(re.sub(r"<!--.*?-->", "", line)):
+            found.append(f"line {n}: {m.group(0)!r}")
+    return found
+
+
+def test_typed_figures_are_found():
+    assert typed_figures("step09 made 98.4 tokens/s") == ["line 1: '98.4 tokens/s'"]
+    assert typed_figures("at 93% of the copy bandwidth, 1.28x faster") == [
+        "line 1: '93% of the copy bandwidth'", "line 1: '1.28x faster'"]
+    assert typed_figures("<!-- bench-value: h200 mixed step09 tokens_per_s --> tokens/s") == []
+    assert typed_figures("```text\n98.4 tokens/s\n```") == []
+    assert typed_figures("NVIDIA's datasheet says 4.8 TB/s") == []
+
+
+def test_no_page_types_a_measured_figure():
+    """Every benchmark figure in the pages' prose comes from docs/data/ through a marker (a data, calc, raw,
+    bench-value or bench-ratio marker inline; tables and plots from theirs). Program output in code blocks is
+    exempt: it is the output of the command shown with it."""
+    typed = {}
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        found = typed_figures(page.read_text())
+        if found:
+            typed[str(page.relative_to(ROOT))] = found
+    assert not typed, "typed figures (use a marker, docs/hooks/figures.py):\n" + "\n".join(
+        f"{page}: {', '.join(f)}" for page, f in typed.items())
 
 
 def test_every_step_has_a_chapter():

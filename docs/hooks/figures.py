@@ -21,12 +21,27 @@ Markers a page may use (each is replaced when the site is built):
     <!-- fig-value: hash_chain.second_request.hits -->             one value of figures.json inline
     <!-- suite-value: full.minutes -->                             one value of test_suite.json inline
     <!-- suite-table: projection -->                               the suite's time at more steps (a table)
+    <!-- bench-calibration: h200 mixed -->                         a run's steps measured alone and in lanes
+    <!-- data: h200 kernels.decode[batch=64,context=2048].v2_gpu_frac_copy .0% -->   any value of a docs/data JSON
+                                                                   file (cpu, h200, figures, test_suite), by a dotted
+                                                                   path; [k=v,...] picks the list item that matches,
+                                                                   [3] by index; then a format spec (.1f, ,.0f, .0%)
+    <!-- calc: {h200:kernels.copy.gb_per_s} / 8 as .1f -->          arithmetic (+ - * / ** parentheses) on such values
+    <!-- raw: h200_step17_run.txt "GPU busy ([0-9.]+) ms" -->       the first group of a regex in docs/data/raw/FILE
 A workload key may also be a base workload with a suffix ("standard-step10", "mixed-step10-qwen3", "mixed-part4"): the
 numbers of one chapter's own run, kept apart so that each table compares numbers of one run. Such an entry may
 carry its own "model", "date" and "git_commit" (the caption then names them); the all-steps plot draws the base
 workloads only.
 A marker that names data which does not exist fails the build, so no page can quote a number that
-is not in docs/data/. Plots are written into the built site only (site/figures/*.svg), never committed.
+is not in docs/data/.
+
+One number, one source: each workload entry names its run ("run": "Part 4's run (16 seats)"), and one run per
+device, workload and model is the site's own ("canonical": true). Every figure a marker quotes from a run is
+written down with the measurement it is of (device, base workload, model, new tokens, seats, code variant, step,
+field). Where the site quotes one measurement with two different values, each value that does not come from the
+canonical run must say which run it is from: tables and captions always do (they print the run's name); an inline
+value must have the run's name in its paragraph. Otherwise the build fails, naming the pages. The ledger of every
+quoted figure is written to the built site as quotes.json (tests/test_docs.py reads it). Plots are written into the built site only (site/figures/*.svg), never committed.
 """
 from __future__ import annotations
 
@@ -40,11 +55,13 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("LLM_DOCS_DATA", ROOT / "docs" / "data"))  # another folder: to try the pages on other data
 
 DEVICE_LABEL = {"cpu": "CPU", "h200": "H200"}
-WORKLOADS = ("standard", "single", "mixed", "shared-prefix")
+WORKLOADS = ("standard", "single", "mixed", "shared-prefix", "nano-vllm")
 _bench: dict = {}
 _fig: dict = {}
 _suite: dict = {}
 NOT_DEVICES = ("figures.json", "test_suite.json")
+QUOTES: list[dict] = []  # every figure quoted from a benchmark run, with the page and whether it names its run
+_page: dict = {"uri": "", "markdown": ""}  # the page being rendered (for the ledger and the paragraph check)
 
 
 def _load() -> None:
@@ -93,6 +110,73 @@ def _value(r: dict | None, field: str) -> str:
     raise ValueError(f"bench-value: unknown field {field!r}")
 
 
+def base_workload(workload: str) -> str:
+    return max((w for w in WORKLOADS if workload == w or workload.startswith(w + "-")), key=len)
+
+
+def measurement(device: str, workload: str, step: str, field: str) -> tuple:
+    """What a quoted figure is a measurement of: the same tuple from two runs is the same thing measured twice."""
+    d = _bench[device]
+    e = d["workloads"][workload]
+    r = e["steps"][step]
+    return (device, base_workload(workload), e.get("model", d["model"]), e.get("max_tokens", 128),
+            r.get("max_num_seqs"), e.get("variant", ""), step, field)
+
+
+def run_name(device: str, workload: str) -> str:
+    return _bench[device]["workloads"][workload].get("run", f"the run {workload!r}")
+
+
+# A marker's field -> the key of the result it shows (ttft_s and ttft_ms show one number two ways).
+FIELD_KEY = {"tokens_per_s": "tokens_per_s", "ttft": "ttft_median_ms", "ttft_s": "ttft_median_ms",
+             "ttft_ms": "ttft_median_ms", "peak_mib": "peak_memory_mb", "roofline": "roofline_tokens_per_s_batch1",
+             "weight_mib": "weight_mb", "bandwidth_tbs": "bandwidth_gbs", "generated_tokens": "generated_tokens"}
+
+
+def _quote(device: str, workload: str, step: str, field: str, text: str, labelled: bool) -> None:
+    """Write down one quoted figure: `value` is the number in the data (two formats of it are one value)."""
+    r = _result(device, workload, step)
+    if r is None:
+        return
+    key = FIELD_KEY.get(field, field)
+    e = _bench[device]["workloads"][workload]
+    QUOTES.append({"page": _page["uri"], "measurement": list(measurement(device, workload, step, key)),
+                   "run": run_name(device, workload), "workload": workload, "canonical": bool(e.get("canonical")),
+                   "value": r.get(key), "shown": text, "labelled": labelled})
+
+
+def _names_its_run(device: str, workload: str, marker_at: int) -> bool:
+    """Is the run's name in the paragraph around the marker (the page's markdown, blank line to blank line)?"""
+    md = _page["markdown"]
+    start = md.rfind("\n\n", 0, marker_at)
+    end = md.find("\n\n", marker_at)
+    paragraph = re.sub(r"<!--.*?-->", "", md[start + 1:end if end >= 0 else len(md)], flags=re.S)
+    return run_name(device, workload).lower() in " ".join(paragraph.lower().split())
+
+
+def check_quotes(quotes: list[dict]) -> list[str]:
+    """-> one line per measurement quoted with two values where a value from a run other than the site's own does
+    not say which run it is from (tables always do; inline values by the run's name in their paragraph)."""
+    by: dict = {}
+    for q in quotes:
+        by.setdefault(tuple(q["measurement"]), []).append(q)
+    problems = []
+    for m, qs in sorted(by.items(), key=lambda kv: str(kv[0])):
+        if len({q["value"] for q in qs}) < 2:
+            continue
+        canon = {q["value"] for q in qs if q["canonical"]}
+        bad = [q for q in qs if not q["labelled"] and not q["canonical"]]
+        if len(canon) > 1:
+            bad += [q for q in qs if q["canonical"]]
+        if bad:
+            device, wl, model, max_tokens, seats, variant, step, field = m
+            seen = "; ".join(sorted({f"{q.get('shown', q['value'])} on {q['page']} ({q['run']})" for q in qs}))
+            problems.append(f"{device} {wl} {model} {step} {field} (seats {seats}, {max_tokens} new tokens"
+                            f"{', ' + variant if variant else ''}) is quoted as {seen}: name the run beside "
+                            f"{', '.join(sorted({q['page'] for q in bad}))}'s value, or quote the site's run")
+    return problems
+
+
 def _ttft(r: dict) -> str:
     ms = r["ttft_median_ms"]
     return f"{ms / 1000:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
@@ -119,6 +203,9 @@ def bench_table(device: str, workload: str, *steps: str) -> str:
             rows.append([step, "not measured", "", ""] + ([""] if cb else []) + ["", ""])
             continue
         first = first or r
+        for field, text in (("tokens_per_s", f"{r['tokens_per_s']:.1f}"), ("ttft", _ttft(r)),
+                            ("peak_mib", f"{r['peak_memory_mb']:.0f}")):
+            _quote(device, workload, step, field, text, labelled=True)
         kind = "RSS" if r["peak_memory_kind"] == "process RSS" else "allocated"
         rows.append([step, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x",
                      f"{r['tokens_per_s'] / prev['tokens_per_s']:.2f}x" if prev else "-"]
@@ -127,6 +214,10 @@ def bench_table(device: str, workload: str, *steps: str) -> str:
         prev = r
     header = (["step", "tokens/s", f"vs {steps[0]}", "vs previous"] + (["vs hf-cb"] if cb else [])
               + ["TTFT median", f"peak MiB ({kind})"])
+    nf = _bench[device]["workloads"].get(workload, {}).get("not_finished", {})
+    for step in steps:
+        if step in nf and _result(device, workload, step) is None:
+            rows[steps.index(step)][1] = f"not finished: stopped after {nf[step]:.0f} s"
     return _html_table(header, rows) + "\n\n" + _caption(device, workload)
 
 
@@ -139,9 +230,57 @@ def _caption(device: str, *workloads: str) -> str:
     # A chapter's own run may name its own model and date; the file's apply otherwise.
     models = sorted({d["workloads"][wl].get("model", d["model"]) for wl in workloads}) or [d["model"]]
     dates = sorted({d["workloads"][wl].get("date", d["date"]) for wl in workloads}) or [d["date"]]
-    return (f"<small>{d['description']}, model " + ", ".join(f"`{m}`" for m in models)
+    runs = "; ".join(dict.fromkeys(
+        d["workloads"][wl].get("run", wl) + (" (this site's run for it)" if d["workloads"][wl].get("canonical") else "")
+        for wl in workloads))
+    lanes = _lanes_text(d, workloads)
+    return (f"<small>**{runs}**{lanes}. {d['description']}, model " + ", ".join(f"`{m}`" for m in models)
             + f"; measured {' and '.join(dates)} with "
             + "; ".join(parts) + f" (median of {_repeat_text(d, workloads)}). Data: `docs/data/{device}.json`.</small>")
+
+
+def _lanes_text(d: dict, workloads) -> str:
+    """Which steps of a run shared the machine (docs/data/bench_all_steps.py's lanes), and what that cost."""
+    out = []
+    for wl in workloads:
+        e = d["workloads"][wl]
+        laned = [s for s, r in e["steps"].items() if r.get("part") == "lanes"]
+        if not laned:
+            continue
+        calls = sorted({r.get("call", 1) for r in e["steps"].values()})
+        out.append(f": {', '.join(laned)} ran in lanes (up to {max(e['steps'][s]['lanes'] for s in laned)} processes "
+                   f"sharing the GPU machine), the others alone" + (f", in {len(calls)} device calls" if len(calls) > 1
+                                                                     else "") + "; " + _calibration_text(e))
+    return "".join(out)
+
+
+def _calibration_pairs(e: dict) -> list[tuple[int, str, float, float]]:
+    """-> (call, step, tokens/s alone, tokens/s in lanes) for each step of a run measured both ways in one call."""
+    rows = [dict(r) for r in e.get("calibration", [])] + [dict(r, step=s) for s, r in e["steps"].items()]
+    pairs = []
+    for r in rows:
+        if r.get("part") == "calibration":
+            lane = [x for x in rows if x["step"] == r["step"] and x.get("part") == "lanes"
+                    and x.get("call") == r.get("call")]
+            if lane:
+                pairs.append((r.get("call", 1), r["step"], r["tokens_per_s"], lane[0]["tokens_per_s"]))
+    return sorted(pairs)
+
+
+def _calibration_text(e: dict) -> str:
+    pairs = _calibration_pairs(e)
+    return "in lanes " + ", ".join(f"{step} made {lane / alone:.2f}x its tokens/s alone (call {call})"
+                                   for call, step, alone, lane in pairs) if pairs else "not calibrated"
+
+
+def bench_calibration(device: str, workload: str) -> str:
+    e = _bench[device]["workloads"][workload]
+    pairs = _calibration_pairs(e)
+    if not pairs:
+        raise ValueError(f"bench-calibration: docs/data/{device}.json {workload!r} has no step measured alone and in lanes")
+    rows = [[str(call), step, f"{alone:.1f}", f"{lane:.1f}", f"{lane / alone:.2f}x"] for call, step, alone, lane in pairs]
+    return (_html_table(["device call", "step", "tokens/s alone", "tokens/s in lanes", "lanes / alone"], rows)
+            + f"\n\n<small>**{run_name(device, workload)}**, `docs/data/{device}.json`.</small>")
 
 
 def _repeat_text(d: dict, workloads) -> str:
@@ -155,6 +294,9 @@ def bench_matrix(spec: str) -> str:
     steps = steps_text.split()
     header = ["step"] + [f"{DEVICE_LABEL.get(d, d)} {wl}" for d, wl in cols]
     rows = [[s] + [_value(_result(d, wl, s), "tokens_per_s") for d, wl in cols] for s in steps]
+    for s in steps:
+        for d, wl in cols:
+            _quote(d, wl, s, "tokens_per_s", _value(_result(d, wl, s), "tokens_per_s"), labelled=True)
     devices = []
     for d, _ in cols:
         if d not in devices:
@@ -168,10 +310,12 @@ def bench_source(device: str, *workloads: str) -> str:
     return _caption(device, *(workloads or tuple(_bench[device]["workloads"])))
 
 
-def bench_ratio(device: str, workload: str, a: str, b: str) -> str:
+def bench_ratio(device: str, workload: str, a: str, b: str, labelled: bool = True) -> str:
     ra, rb = _result(device, workload, a), _result(device, workload, b)
     if ra is None or rb is None:
         return "(not measured)"
+    for step, r in ((a, ra), (b, rb)):
+        _quote(device, workload, step, "tokens_per_s", f"{r['tokens_per_s']:.1f}", labelled)
     return f"{ra['tokens_per_s'] / rb['tokens_per_s']:.2f}x"
 
 
@@ -206,6 +350,96 @@ def suite_table(name: str) -> str:
             f"{s['new_step_like']}, the step before the newest, costs), the real-model tests of a Part's last step "
             f"{s['part_end_extra_seconds']} s more; a projection adds them, shared by the two workers, and CI adds "
             f"its set-up of {s['ci']['setup_s']:.0f} s.</small>")
+
+
+def _files() -> dict:
+    return {**_bench, "figures": _fig, "test_suite": _suite}
+
+
+def data_path(file: str, path: str):
+    """A value of docs/data/FILE.json by a dotted path: `a.b[3].c`, `a[k=v,k2=v2].c` (the list item whose keys
+    match: numbers compare as numbers, `true`/`false` as booleans)."""
+    files = _files()
+    if file not in files:
+        raise ValueError(f"data marker: no docs/data/{file}.json (known: {sorted(files)})")
+    node = files[file]
+    for part in re.findall(r"[^.\[\]]+|\[[^\]]*\]", path):
+        where = f"docs/data/{file}.json {path!r} at {part!r}"
+        if part.startswith("["):
+            inner = part[1:-1]
+            if not isinstance(node, list):
+                raise ValueError(f"data marker: {where}: not a list")
+            if inner.lstrip("-").isdigit():
+                node = node[int(inner)]
+                continue
+            want = dict(kv.split("=", 1) for kv in inner.split(","))
+
+            def same(item, k, v):
+                x = item.get(k)
+                if isinstance(x, bool) or v in ("true", "false"):
+                    return str(x).lower() == v
+                if isinstance(x, (int, float)):
+                    return float(v) == x
+                return str(x) == v
+
+            hits = [item for item in node if all(same(item, k, v) for k, v in want.items())]
+            if len(hits) != 1:
+                raise ValueError(f"data marker: {where}: {len(hits)} items match, not one")
+            node = hits[0]
+        else:
+            if not isinstance(node, dict) or part not in node:
+                raise ValueError(f"data marker: {where}: no such key")
+            node = node[part]
+    return node
+
+
+def _format(value, spec: str) -> str:
+    return format(value, spec) if spec else (f"{value:,}" if isinstance(value, int) else str(value))
+
+
+def _bench_path_quote(file: str, path: str, text: str, marker_at: int) -> None:
+    """A data marker that reads a run's step (`workloads.W.steps.S.field`) is a quote of that run, like bench-value."""
+    m = re.fullmatch(r"workloads\.([^.]+)\.steps\.([^.]+)\.([a-z_]+)", path)
+    if m and file in _bench:
+        wl, step, field = m.groups()
+        _quote(file, wl, step, field, text, _names_its_run(file, wl, marker_at))
+
+
+def data_value(file: str, path: str, spec: str, marker_at: int) -> str:
+    text = _format(data_path(file, path), spec)
+    _bench_path_quote(file, path, text, marker_at)
+    return text
+
+
+def calc_value(expr: str, marker_at: int) -> str:
+    """`{file:path}` values in an arithmetic expression, then ` as SPEC` (a format spec) if given."""
+    expr, _, spec = expr.partition(" as ")
+    values = []
+
+    def sub(m):
+        file, path = m.group(1).split(":", 1)
+        values.append(data_path(file, path))
+        _bench_path_quote(file, path, _value_text(values[-1]), marker_at)
+        return f"_v[{len(values) - 1}]"
+
+    code = re.sub(r"\{([^}]+)\}", sub, expr)
+    if not re.fullmatch(r"[\s0-9.+\-*/()_v\[\]]*", code):
+        raise ValueError(f"calc marker: only numbers, {{file:path}} values and + - * / ** ( ) are allowed: {expr!r}")
+    return _format(eval(code, {"__builtins__": {}}, {"_v": values}), spec.strip())  # noqa: S307 (checked above)
+
+
+def _value_text(v) -> str:
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+def raw_value(file: str, pattern: str) -> str:
+    path = DATA / "raw" / file
+    if not path.is_file():
+        raise ValueError(f"raw marker: no docs/data/raw/{file}")
+    m = re.search(pattern, path.read_text())
+    if not m:
+        raise ValueError(f"raw marker: {pattern!r} not found in docs/data/raw/{file}")
+    return m.group(1) if m.groups() else m.group(0)
 
 
 # ---------------------------------------------------------------- traced tables (figures.json)
@@ -598,9 +832,14 @@ MARKERS = [
     (re.compile(r"<!--\s*bench-table:\s*(.+?)\s*-->"), lambda m, p: bench_table(*m.group(1).split())),
     (re.compile(r"<!--\s*bench-matrix:\s*(.+?)\s*-->"), lambda m, p: bench_matrix(m.group(1))),
     (re.compile(r"<!--\s*bench-source:\s*(.+?)\s*-->"), lambda m, p: bench_source(*m.group(1).split())),
-    (re.compile(r"<!--\s*bench-value:\s*(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*-->"),
-     lambda m, p: _value(_result(m.group(1), m.group(2), m.group(3)), m.group(4))),
-    (re.compile(r"<!--\s*bench-ratio:\s*(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*-->"), lambda m, p: bench_ratio(*m.groups())),
+    (re.compile(r"<!--\s*bench-value:\s*(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*-->"), lambda m, p: bench_value(m)),
+    (re.compile(r"<!--\s*bench-ratio:\s*(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*-->"),
+     lambda m, p: bench_ratio(*m.groups(), labelled=_names_its_run(m.group(1), m.group(2), m.start()))),
+    (re.compile(r"<!--\s*bench-calibration:\s*(\S+)\s+(\S+)\s*-->"), lambda m, p: bench_calibration(*m.groups())),
+    (re.compile(r"<!--\s*data:\s*(\S+)\s+(\S+)(?:\s+(\S+))?\s*-->"),
+     lambda m, p: data_value(m.group(1), m.group(2), m.group(3) or "", m.start())),
+    (re.compile(r"<!--\s*calc:\s*(.+?)\s*-->"), lambda m, p: calc_value(m.group(1), m.start())),
+    (re.compile(r"<!--\s*raw:\s*(\S+)\s+\"(.+?)\"\s*-->"), lambda m, p: raw_value(m.group(1), m.group(2))),
     (re.compile(r"<!--\s*figure:\s*(\S+)\s*-->"), lambda m, p: figure(m.group(1), p)),
     (re.compile(r"<!--\s*fig-table:\s*(\S+)\s*-->"), lambda m, p: fig_table(m.group(1))),
     (re.compile(r"<!--\s*fig-value:\s*(\S+)\s*-->"), lambda m, p: fig_value(m.group(1))),
@@ -609,18 +848,36 @@ MARKERS = [
 ]
 
 
+def bench_value(m) -> str:
+    device, workload, step, field = m.groups()
+    text = _value(_result(device, workload, step), field)
+    _quote(device, workload, step, field, text, _names_its_run(device, workload, m.start()))
+    return text
+
+
 def on_config(config, **kwargs):
     _load()
+    QUOTES.clear()
     return config
 
 
-def on_page_markdown(markdown: str, page, **kwargs) -> str:
+def render_markdown(markdown: str, page) -> str:
+    """Replace every marker of one page's markdown (each pattern sees the page as the earlier ones left it)."""
     for pattern, render in MARKERS:
+        _page.update(uri=page.file.src_uri, markdown=markdown)
         markdown = pattern.sub(lambda m: render(m, page), markdown)
     return markdown
 
 
+def on_page_markdown(markdown: str, page, **kwargs) -> str:
+    return render_markdown(markdown, page)
+
+
 def on_post_build(config, **kwargs) -> None:
+    (Path(config["site_dir"]) / "quotes.json").write_text(json.dumps(QUOTES, indent=1) + "\n")
+    problems = check_quotes(QUOTES)
+    if problems:
+        raise ValueError("figures: one measurement quoted with two values:\n  " + "\n  ".join(problems))
     out = Path(config["site_dir"]) / "figures"
     out.mkdir(parents=True, exist_ok=True)
     for name in sorted(_used):
