@@ -30,8 +30,10 @@ Markers a page may use (each is replaced when the site is built):
     <!-- raw: h200_step17_run.txt "GPU busy ([0-9.]+) ms" -->       the first group of a regex in docs/data/raw/FILE
 A workload key may also be a base workload with a suffix ("standard-step10", "mixed-step10-qwen3", "mixed-part4"): the
 numbers of one chapter's own run, kept apart so that each table compares numbers of one run. Such an entry may
-carry its own "model", "date" and "git_commit" (the caption then names them); the all-steps plot draws the base
-workloads only.
+carry its own "model", "date" and "git_commit" (the caption then names them); the all-steps plot draws the runs of
+SUMMARY_RUNS only.
+    <!-- bench-runs: h200 -->                                      the runs of one device: name, workload, model,
+                                                                   date, steps (their commands stay in the JSON)
 A marker that names data which does not exist fails the build, so no page can quote a number that
 is not in docs/data/.
 
@@ -190,6 +192,7 @@ def _html_table(header: list[str], rows: list[list[str]], cls: str = "bench") ->
 
 
 def bench_table(device: str, workload: str, *steps: str) -> str:
+    steps = tuple(_steps_arg(list(steps)))
     # HF's two baselines go together: a table that shows "hf" (generate, one padded batch) also shows "hf-cb" (its
     # continuous batching) where that run measured it, in the row after it, with a column of ratios to it.
     if "hf" in steps and "hf-cb" not in steps and _result(device, workload, "hf-cb") is not None:
@@ -288,11 +291,30 @@ def _repeat_text(d: dict, workloads) -> str:
     return " or ".join(str(r) for r in repeats) + (" run" if repeats == [1] else " runs")
 
 
+def all_steps() -> list[str]:
+    """Every step folder, in the order of the chapters (step14 < step14_1 < step14_7 < step15)."""
+    names = [p.name for p in (ROOT / "steps").iterdir() if p.is_dir() and re.fullmatch(r"step\d+(_\d+)?", p.name)]
+    return sorted(names, key=lambda n: [int(x) for x in re.findall(r"\d+", n)])
+
+
+def _steps_arg(words: list[str]) -> list[str]:
+    """`all` stands for HF's two baselines and every step, so that a new step gets its row by itself."""
+    out = []
+    for w in words:
+        out += ["hf", "hf-cb", *all_steps()] if w == "all" else [w]
+    return out
+
+
 def bench_matrix(spec: str) -> str:
     cols_text, _, steps_text = spec.partition("|")
     cols = [c.split(":") for c in cols_text.split()]
-    steps = steps_text.split()
-    header = ["step"] + [f"{DEVICE_LABEL.get(d, d)} {wl}" for d, wl in cols]
+    steps = _steps_arg(steps_text.split())
+    def col_name(d, wl):
+        e = _bench[d]["workloads"].get(wl, {})
+        model = e.get("model", _bench[d]["model"]).replace("random:", "")
+        return f"{DEVICE_LABEL.get(d, d)} {base_workload(wl)}, {model}"
+
+    header = ["step"] + [col_name(d, wl) for d, wl in cols]
     rows = [[s] + [_value(_result(d, wl, s), "tokens_per_s") for d, wl in cols] for s in steps]
     for s in steps:
         for d, wl in cols:
@@ -304,6 +326,26 @@ def bench_matrix(spec: str) -> str:
     captions = [_caption(d, *dict.fromkeys(wl for dd, wl in cols if dd == d)) for d in devices]
     return (_html_table(header, rows) + "\n\n<small>tokens/s; - = not measured.</small>\n\n"
             + "\n\n".join(captions))
+
+
+def bench_runs(device: str) -> str:
+    d = _bench[device]
+    rows = []
+    for wl, e in d["workloads"].items():
+        steps = [s for s in e["steps"] if not s.startswith("hf")]
+        hf = [s for s in e["steps"] if s.startswith("hf")]
+        span = (f"{steps[0]}" if len(steps) == 1 else f"{len(steps)} steps, {min(steps, key=_step_order)} to "
+                f"{max(steps, key=_step_order)}") if steps else "-"
+        rows.append([e.get("run", wl) + (" (the site's run)" if e.get("canonical") else ""), f"`{wl}`",
+                     e.get("model", d["model"]).replace("random:", ""), e.get("date", d["date"]),
+                     span + (f" + {', '.join(hf)}" if hf else "")])
+    return (_html_table(["run", "workload key", "model", "date", "what it measured"], rows)
+            + f"\n\n<small>{d['description']}. Each run's exact command, commit and per-step results: "
+            f"[`docs/data/{device}.json`](../data/{device}.json).</small>")
+
+
+def _step_order(name: str) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", name)]
 
 
 def bench_source(device: str, *workloads: str) -> str:
@@ -575,23 +617,45 @@ def _setup():
     return plt
 
 
+SUMMARY_RUNS = (("cpu", "standard"), ("h200", "mixed"), ("h200", "mixed-qwen3"))  # the site's all-steps runs
+
+
 def plot_tokens_per_s() -> str:
+    """Every step on the x axis (a step not measured yet leaves a gap), one line per all-steps run, and HF's two
+    baselines of the same run as horizontal lines beside it. Hollow points: measured in lanes (bench_all_steps.py)."""
     plt = _setup()
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    # The base workloads only: a chapter's own run ("standard-step10") is another run, not a point of this line.
-    base = {device: {wl: w for wl, w in d["workloads"].items() if wl in WORKLOADS} for device, d in _bench.items()}
-    steps = sorted({s for d in base.values() for w in d.values() for s in w["steps"]})
-    styles = {"standard": "-", "mixed": "--", "shared-prefix": ":"}
-    colors = {"cpu": "tab:blue", "h200": "tab:green"}
-    for device, d in base.items():
-        for wl, w in d.items():
-            xs = [i for i, s in enumerate(steps) if s in w["steps"]]
-            ys = [w["steps"][steps[i]]["tokens_per_s"] for i in xs]
-            ax.plot(xs, ys, styles.get(wl, "-"), marker="o", color=colors.get(device), label=f"{DEVICE_LABEL.get(device, device)} {wl}")
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    steps = all_steps()
+    colors = {("cpu", "standard"): "tab:blue", ("h200", "mixed"): "tab:green", ("h200", "mixed-qwen3"): "tab:purple"}
+    for device, wl in SUMMARY_RUNS:
+        e = _bench.get(device, {}).get("workloads", {}).get(wl)
+        if e is None:
+            continue
+        color = colors[(device, wl)]
+        model = e.get("model", _bench[device]["model"]).replace("random:", "")
+        label = f"{DEVICE_LABEL.get(device, device)}, {base_workload(wl)} workload, {model}"
+        xs = [i for i, s in enumerate(steps) if s in e["steps"]]
+        ys = [e["steps"][steps[i]]["tokens_per_s"] for i in xs]
+        ax.plot(xs, ys, "-", color=color, lw=1.2, label=label)
+        laned = [(x, y) for x, y in zip(xs, ys) if e["steps"][steps[x]].get("part") == "lanes"]
+        alone = [(x, y) for x, y in zip(xs, ys) if e["steps"][steps[x]].get("part") != "lanes"]
+        if alone:
+            ax.plot(*zip(*alone), "o", color=color, ms=5)
+        if laned:
+            ax.plot(*zip(*laned), "o", color=color, ms=5, markerfacecolor="white")
+        for hf, ls in (("hf", "--"), ("hf-cb", ":")):
+            if hf in e["steps"]:
+                y = e["steps"][hf]["tokens_per_s"]
+                ax.axhline(y, color=color, ls=ls, lw=1, alpha=0.8)
+    for ls, text in (("--", "HF generate (padded), same run: dashed, the run's colour"),
+                     (":", "HF continuous batching, same run: dotted")):
+        ax.plot([], [], ls=ls, color="gray", lw=1, label=text)
     ax.set_yscale("log")
-    ax.set_xticks(range(len(steps)), steps)
+    ax.set_xticks(range(len(steps)), [s.replace("step", "") for s in steps], fontsize=8, rotation=60)
+    ax.set_xlim(-0.5, len(steps) - 0.5)
+    ax.set_xlabel("step (filled: measured alone; hollow: in lanes, sharing the GPU machine)")
     ax.set_ylabel("tokens/s (log scale)")
-    ax.legend(fontsize=8, ncol=3, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    ax.legend(fontsize=8, ncol=2, frameon=False, loc="upper center", bbox_to_anchor=(0.45, -0.22))
     return _svg(fig)
 
 
@@ -801,7 +865,7 @@ def plot_roofline_flash_decoding() -> str:
     return _svg(fig)
 
 
-PLOTS = {"tokens-per-s": (plot_tokens_per_s, "tokens/s of every step, CPU and H200 (log scale)"),
+PLOTS = {"tokens-per-s": (plot_tokens_per_s, "tokens/s of every step and of HF transformers, CPU and H200 (log scale)"),
          "ms-per-token": (plot_ms_per_token, "ms per token against sequence length, steps 01-03"),
          "batch-size": (plot_batch_size, "step04: tokens/s against batch size"),
          "timeline": (plot_timeline, "static groups against continuous batching, seat by seat"),
@@ -835,6 +899,7 @@ MARKERS = [
     (re.compile(r"<!--\s*bench-value:\s*(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*-->"), lambda m, p: bench_value(m)),
     (re.compile(r"<!--\s*bench-ratio:\s*(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*-->"),
      lambda m, p: bench_ratio(*m.groups(), labelled=_names_its_run(m.group(1), m.group(2), m.start()))),
+    (re.compile(r"<!--\s*bench-runs:\s*(\S+)\s*-->"), lambda m, p: bench_runs(m.group(1))),
     (re.compile(r"<!--\s*bench-calibration:\s*(\S+)\s+(\S+)\s*-->"), lambda m, p: bench_calibration(*m.groups())),
     (re.compile(r"<!--\s*data:\s*(\S+)\s+(\S+)(?:\s+(\S+))?\s*-->"),
      lambda m, p: data_value(m.group(1), m.group(2), m.group(3) or "", m.start())),
