@@ -183,7 +183,7 @@ def test_typed_figures_are_found():
     assert typed_figures("NVIDIA's datasheet says 4.8 TB/s") == []
 
 
-def test_no_page_types_a_measured_figure():
+def test_no_page_has_typed_figures():
     """Every benchmark figure in the pages' prose comes from docs/data/ through a marker (a data, calc, raw,
     bench-value or bench-ratio marker inline; tables and plots from theirs). Program output in code blocks is
     exempt: it is the output of the command shown with it."""

@@ -865,6 +865,89 @@ def plot_roofline_flash_decoding() -> str:
     return _svg(fig)
 
 
+def plot_roofline_intensity() -> str:
+    """The roofline proper: TFLOP/s against arithmetic intensity (FLOP per byte), both log, under the two roofs
+    (measured copy bandwidth x intensity; the datasheet's dense bf16 peak). Prefill: FLOPs from the rows, bytes
+    = q, k, v read and o written once (2 bytes each). Decode: bytes from the rows, FLOPs = 4 x batch x heads x
+    context x head_dim (q.k and p.v, a multiply and an add each). The kernels' own (gpu) times where the rows
+    have them."""
+    import math
+
+    plt = _setup()
+    k = _kernels("roofline-decode")
+    _kernels("roofline-prefill")
+    shapes = k.get("shapes", {})
+    copy = k["copy"]["gb_per_s"]  # GB/s: x FLOP/byte -> GFLOP/s
+    ridge = H200_BF16_DENSE_TFLOPS * 1000 / copy
+
+    def per_s(flops: float, row: dict, name: str) -> tuple[float, bool]:
+        gpu = row.get(f"{name}_gpu_ms")
+        return flops / ((gpu if gpu else row[f"{name}_ms"]) * 1e-3) / 1e12, bool(gpu)
+
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    xs, ys = (0.5, 10000.0), (0.3, H200_BF16_DENSE_TFLOPS * 3)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(*xs)
+    ax.set_ylim(*ys)
+    grid = [xs[0] * (xs[1] / xs[0]) ** (i / 200) for i in range(201)]
+    ax.plot(grid, [min(copy * x / 1000, H200_BF16_DENSE_TFLOPS) for x in grid], color="black", lw=1.5)
+    (x0, y0), (x1, y1) = ax.transData.transform([(3, copy * 3 / 1000), (30, copy * 30 / 1000)])
+    ax.text(1.5, copy * 1.5 / 1000 * 1.3, f"memory roof: intensity x copy bandwidth ({copy / 1000:.2f} TB/s, measured)",
+            rotation=math.degrees(math.atan2(y1 - y0, x1 - x0)), rotation_mode="anchor", fontsize=8)
+    ax.text(ridge * 1.2, H200_BF16_DENSE_TFLOPS * 1.12,
+            f"compute roof: dense bf16 peak, {H200_BF16_DENSE_TFLOPS} TFLOP/s (datasheet)", fontsize=8, va="bottom")
+    ax.plot([ridge], [H200_BF16_DENSE_TFLOPS], "D", color="black", ms=6)
+    ax.annotate(f"ridge point: {ridge:.0f} FLOP/byte", (ridge, H200_BF16_DENSE_TFLOPS), textcoords="offset points",
+                xytext=(6, -6), ha="left", va="top", fontsize=8)
+    ax.axvline(ridge, color="black", ls=":", lw=0.8, alpha=0.6)
+    kernels_only = True
+
+    block = min(r["block_size"] for r in k["prefill"])
+    main = sorted((r for r in k["prefill"] if r["block_size"] == block), key=lambda r: r["seq_len"])
+    for name, color, label in (("sdpa", "tab:gray", "prefill: torch SDPA"),
+                               ("kernel", "tab:blue", f"prefill: step15 paged_attention (blocks of {block})")):
+        pts = []
+        for r in main:
+            q_o = 2 * r["seq_len"] * r["heads"] * r["head_dim"] * 2  # q read, o written
+            k_v = 2 * r["seq_len"] * r["kv_heads"] * r["head_dim"] * 2  # k and v read
+            y, gpu = per_s(r["flops"], r, name)
+            kernels_only &= gpu
+            pts.append((r["flops"] / (q_o + k_v), y, r["seq_len"]))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, ms=5, lw=1, label=label)
+        if name == "kernel":
+            for x, y, s in pts:
+                ax.annotate(f"S={s // 1024}K" if s >= 1024 else f"S={s}", (x, y), textcoords="offset points",
+                            xytext=(0, -12), ha="center", fontsize=7, color=color)
+
+    batch = max(r["batch"] for r in k["decode"])
+    rows = sorted((r for r in k["decode"] if r["batch"] == batch), key=lambda r: r["context"])
+    series = [(rows, batch, "v1", "tab:red", "s", f"decode: step16 v1, batch {batch}"),
+              (rows, batch, "v2", "tab:blue", "^", f"decode: step16 v2, batch {batch}")]
+    if k.get("flash_decoding"):
+        fd = sorted(k["flash_decoding"], key=lambda r: r["context"])
+        series.append((fd, 1, "flash", "tab:green", "v", "decode: step17 flash decoding, batch 1"))
+    for rs, b, name, color, marker, label in series:
+        pts = []
+        for r in rs:
+            flops = 4 * b * r.get("heads", shapes.get("heads")) * r["context"] * r.get("head_dim", shapes.get("head_dim"))
+            y, gpu = per_s(flops, r, name)
+            kernels_only &= gpu
+            pts.append((flops / r["bytes"], y, r["context"]))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=color, ms=5, label=label,
+                markerfacecolor="none" if name == "flash" else color)
+        for x, y, c in (pts[0], pts[-1]) if name != "v1" else ():  # v1 is flat: its two ends would overlap
+            ax.annotate(f"{c // 1024}K" if c >= 1024 else str(c), (x, y), textcoords="offset points",
+                        xytext=(7, 0) if name == "v2" else (-7, 0), ha="left" if name == "v2" else "right",
+                        va="center", fontsize=7, color=color)
+    ax.set_xlabel("arithmetic intensity (FLOP per byte of HBM traffic, log scale)")
+    ax.set_ylabel("TFLOP/s (log scale)")
+    _kernels_title(ax, k, _timing_note(kernels_only))
+    ax.legend(frameon=False, fontsize=8, loc="lower right", title="labels: prompt tokens S; decode context",
+              title_fontsize=7)
+    return _svg(fig)
+
+
 PLOTS = {"tokens-per-s": (plot_tokens_per_s, "tokens/s of every step and of HF transformers, CPU and H200 (log scale)"),
          "ms-per-token": (plot_ms_per_token, "ms per token against sequence length, steps 01-03"),
          "batch-size": (plot_batch_size, "step04: tokens/s against batch size"),
@@ -875,7 +958,11 @@ PLOTS = {"tokens-per-s": (plot_tokens_per_s, "tokens/s of every step and of HF t
          "roofline-decode": (plot_roofline_decode, "decode attention on the H200 at batch 64: GB/s of v1 and v2 "
                              "against context length, under the measured copy bandwidth"),
          "roofline-flash-decoding": (plot_roofline_flash_decoding, "decode attention on the H200 at batch 1: GB/s "
-                                     "of v2 and flash decoding against context length, under the copy bandwidth")}
+                                     "of v2 and flash decoding against context length, under the copy bandwidth"),
+         "roofline-intensity": (plot_roofline_intensity, "the H200 roofline: TFLOP/s against arithmetic intensity "
+                                "(log-log) of prefill (step15's kernel, torch SDPA) and decode (step16's v1 and v2 at "
+                                "batch 64, step17's flash decoding at batch 1), under the memory roof (measured copy "
+                                "bandwidth x intensity) and the dense bf16 compute roof, the ridge marked")}
 _used: set[str] = set()
 
 
@@ -939,6 +1026,7 @@ def on_page_markdown(markdown: str, page, **kwargs) -> str:
 
 
 def on_post_build(config, **kwargs) -> None:
+    Path(config["site_dir"]).mkdir(parents=True, exist_ok=True)
     (Path(config["site_dir"]) / "quotes.json").write_text(json.dumps(QUOTES, indent=1) + "\n")
     problems = check_quotes(QUOTES)
     if problems:
