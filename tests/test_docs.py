@@ -64,7 +64,7 @@ def test_no_code_line_wider_than_the_column(site):
 
 def test_every_marker_was_rendered_and_every_figure_exists(site):
     for path, text in _pages(site).items():
-        leftover = re.findall(r"<!--\s*(bench-[a-z]+|figure|fig-[a-z]+|step-[a-z]+|suite-[a-z]+|data|calc|raw):", text)
+        leftover = re.findall(r"<!--\s*(bench-[a-z]+|figure|fig-[a-z]+|step-[a-z]+|suite-[a-z]+|data|calc|raw|raw-block):", text)
         assert not leftover, f"{path}: unrendered markers {leftover}"
         for src in re.findall(r'<img class="figure" src="([^"]+)"', text):
             assert (path.parent / src).resolve().is_file(), f"{path}: missing figure {src}"
@@ -194,6 +194,15 @@ def test_no_page_has_typed_figures():
             typed[str(page.relative_to(ROOT))] = found
     assert not typed, "typed figures (use a marker, docs/hooks/figures.py):\n" + "\n".join(
         f"{page}: {', '.join(f)}" for page, f in typed.items())
+
+
+def test_glossary_links_point_at_its_terms(site):
+    """Chapters link a term's first use to the glossary; every such link lands on a heading that exists."""
+    ids = set(re.findall(r'id="([^"]+)"', (site / "reference" / "glossary" / "index.html").read_text()))
+    links = [(page.name, a) for page in (ROOT / "docs").rglob("*.md")
+             for a in re.findall(r"glossary\.md#([\w-]+)", page.read_text())]
+    assert len({page for page, _ in links}) >= len(STEPS) // 2, "the chapters hardly link the glossary"
+    assert [link for link in links if link[1] not in ids] == []
 
 
 def test_every_step_has_a_chapter():

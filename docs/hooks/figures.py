@@ -28,6 +28,8 @@ Markers a page may use (each is replaced when the site is built):
                                                                    [3] by index; then a format spec (.1f, ,.0f, .0%)
     <!-- calc: {h200:kernels.copy.gb_per_s} / 8 as .1f -->          arithmetic (+ - * / ** parentheses) on such values
     <!-- raw: h200_step17_run.txt "GPU busy ([0-9.]+) ms" -->       the first group of a regex in docs/data/raw/FILE
+    <!-- raw-block: cpu_step12_run.txt 3-20 -->                    lines of docs/data/raw/FILE as a text code block
+                                                                   (a program's output, shown as it printed it)
 A workload key may also be a base workload with a suffix ("standard-step10", "mixed-step10-qwen3", "mixed-part4"): the
 numbers of one chapter's own run, kept apart so that each table compares numbers of one run. Such an entry may
 carry its own "model", "date" and "git_commit" (the caption then names them); the all-steps plot draws the runs of
@@ -482,6 +484,19 @@ def raw_value(file: str, pattern: str) -> str:
     if not m:
         raise ValueError(f"raw marker: {pattern!r} not found in docs/data/raw/{file}")
     return m.group(1) if m.groups() else m.group(0)
+
+
+def raw_block(file: str, lines: str = "") -> str:
+    path = DATA / "raw" / file
+    if not path.is_file():
+        raise ValueError(f"raw-block marker: no docs/data/raw/{file}")
+    text = path.read_text().rstrip("\n").splitlines()
+    if lines:
+        first, _, last = lines.partition("-")
+        if not (first.isdigit() and last.isdigit()) or not 1 <= int(first) <= int(last) <= len(text):
+            raise ValueError(f"raw-block marker: lines {lines!r} of docs/data/raw/{file} ({len(text)} lines)")
+        text = text[int(first) - 1:int(last)]
+    return "```text\n" + "\n".join(text) + "\n```"
 
 
 # ---------------------------------------------------------------- traced tables (figures.json)
@@ -992,6 +1007,7 @@ MARKERS = [
      lambda m, p: data_value(m.group(1), m.group(2), m.group(3) or "", m.start())),
     (re.compile(r"<!--\s*calc:\s*(.+?)\s*-->"), lambda m, p: calc_value(m.group(1), m.start())),
     (re.compile(r"<!--\s*raw:\s*(\S+)\s+\"(.+?)\"\s*-->"), lambda m, p: raw_value(m.group(1), m.group(2))),
+    (re.compile(r"<!--\s*raw-block:\s*(\S+)(?:\s+(\d+-\d+))?\s*-->"), lambda m, p: raw_block(m.group(1), m.group(2) or "")),
     (re.compile(r"<!--\s*figure:\s*(\S+)\s*-->"), lambda m, p: figure(m.group(1), p)),
     (re.compile(r"<!--\s*fig-table:\s*(\S+)\s*-->"), lambda m, p: fig_table(m.group(1))),
     (re.compile(r"<!--\s*fig-value:\s*(\S+)\s*-->"), lambda m, p: fig_value(m.group(1))),
