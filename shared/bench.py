@@ -495,7 +495,8 @@ def main() -> None:
             parser.error(f"argument {flag}: must be at least 1, got {value}")
     given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None]
     if args.hf and given:
-        parser.error(f"{', '.join(given)}: engine options; HF's baselines are served with HF's own batching")
+        what = "is an engine option" if len(given) == 1 else "are engine options"
+        parser.error(f"{', '.join(given)} {what}: HF's baselines are served with HF's own batching")
     hf_benches = {"generate": run_hf_bench, "cb": run_hf_cb_bench}
     bench = hf_benches[args.hf] if args.hf else functools.partial(run_bench, args.step, **options)
     try:
