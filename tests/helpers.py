@@ -73,6 +73,15 @@ def chosen_logprobs(completion) -> list[float]:
     return [lp[t] for t, lp in zip(completion.token_ids, completion.logprobs)]
 
 
+def scheduled_work(result) -> list:
+    """What a scheduler's schedule() returned, as one list of (request, tokens): up to step17 it returns
+    (decodes, chunks), a decode being one token; from step18, which has no phases, that list itself."""
+    if isinstance(result, tuple):
+        decodes, chunks = result
+        return [(r, 1) for r in decodes] + list(chunks)
+    return list(result)
+
+
 def compare_completions(a, b, logprob_atol: float, exact: bool = True, label: str = "") -> float:
     """Assert two completions agree. exact=True: identical tokens. exact=False: the vLLM rule.
 

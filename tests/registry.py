@@ -95,6 +95,7 @@ step("step14_7", 5, adds=("flat_varlen_batch",))
 step("step15", 6, adds=("triton_prefill",))
 step("step16", 6, adds=("triton_decode",))
 step("step17", 6, adds=("flash_decoding",))
+step("step18", 6, adds=("mixed_batch_kernel",), removes=("triton_prefill",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import cached_llm
 from shared import SamplingParams
-from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
+from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine, scheduled_work
 from registry import TINY, has, having, introducing, last_before
 
 # Part 2's properties must hold in every later step too.
@@ -92,8 +92,7 @@ def watch_limits(llm) -> dict:
         assert running <= scheduler.max_num_seqs, f"{running} running > max_num_seqs={scheduler.max_num_seqs}"
         seen["running"] = max(seen["running"], running)
         if hasattr(scheduler, "max_num_batched_tokens"):
-            decodes, chunks = result
-            tokens = len(decodes) + sum(n for _, n in chunks)
+            tokens = sum(n for _, n in scheduled_work(result))
             assert tokens <= scheduler.max_num_batched_tokens, (
                 f"{tokens} tokens scheduled > max_num_batched_tokens={scheduler.max_num_batched_tokens}")
             seen["tokens"] = max(seen["tokens"], tokens)

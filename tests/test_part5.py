@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared import SamplingParams
-from helpers import STEP_LOGPROB_ATOL_FP32, FakeRequest, compare_completions, load_engine
+from helpers import STEP_LOGPROB_ATOL_FP32, FakeRequest, compare_completions, load_engine, scheduled_work
 
 from registry import TINY, TINY_QWEN3, having, introducing, last_before
 
@@ -271,9 +271,11 @@ def test_one_forward_per_engine_step(step, budget):
 
     def counting_schedule():  # count the steps that mix decodes and prefill chunks
         nonlocal mixed_steps
-        decodes, chunks = schedule()
-        mixed_steps += bool(decodes and chunks) or len(chunks) > 1
-        return decodes, chunks
+        result = schedule()
+        work = scheduled_work(result)
+        decodes = sum(n == 1 and r.num_computed_tokens + 1 == r.num_tokens for r, n in work)
+        mixed_steps += bool(decodes and len(work) > decodes) or len(work) - decodes > 1
+        return result
 
     llm.scheduler.schedule = counting_schedule
     outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * len(prompts))

@@ -10,7 +10,7 @@ import torch
 
 from shared import SamplingParams
 from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
-from registry import having, introducing, lesson_and_copies
+from registry import STEPS, having, introducing, lesson_and_copies
 
 pytest.importorskip("triton")
 
@@ -159,7 +159,7 @@ def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
         assert split["n"] > 0 and min(split["splits"]) > 1, split["splits"]  # contexts were really split
 
 
-@pytest.mark.parametrize("step", having("triton_prefill"))
+@pytest.mark.parametrize("step", [s for s in STEPS if s in having("triton_prefill") + having("mixed_batch_kernel")])
 def test_attention_backend_choice(step):
     engine = load_engine(step)
     assert engine.choose_attention_backend(None, torch.device("cpu")) == "torch"

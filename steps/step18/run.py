@@ -1,8 +1,8 @@
-"""step17 demo: flash decoding. A decode's context split into parts that separate programs compute at once, merged
-by a log-sum-exp reduce. Which path ran is printed first. Then one long decode (batch 1) on the model's own shapes:
-step16's v2 kernel against flash decoding with the split count the engine would choose, and a sweep of split counts,
-in ms and GB/s against the copy bandwidth measured in the same run; the split kernels checked against v2 for
-several split counts; then the engine against step16 on the same requests."""
+"""step18 demo: mixed batches, one kernel. Every row of an engine step (decodes and prefill chunks alike) goes
+through one attention launch per layer, and the scheduler has no phases. Which path ran is printed first. Then the
+mixed kernel checked against its torch reference on a batch of decodes and chunks; attention launches per layer per
+step, counted, step17 beside step18 on the same requests; an engine trace of a long prompt arriving while three
+requests decode, step by step; then the engine against step17 on the same requests."""
 import sys
 from pathlib import Path
 
@@ -10,10 +10,13 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     __package__ = "steps." + Path(__file__).parent.name
 
+import random
+
 import torch
 
-from shared.anatomy import (before_after, copy_gb_per_s, demo_options, interpreter_off_cuda, kernel_arg_parser,
-                            kernel_ms, kernels_cannot_run, step_module, time_ms)
+from shared import SamplingParams
+from shared.anatomy import before_after, demo_options, interpreter_off_cuda, kernel_arg_parser, kernels_cannot_run
+from shared.anatomy import step_module
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -26,92 +29,155 @@ def main() -> None:
         interpreter_off_cuda(args)  # before the model loads: loading it imports triton
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                   **demo_options(args))
-        print_header("step17: flash decoding", llm)
+        print_header("step18: mixed batches, one kernel", llm)
         print_attention_backend(llm)
         answer_question(llm, args)
         show_lesson(llm, args)
 
 
 def show_lesson(llm, args) -> None:
-    show_flash_decoding(llm)
-    before_after("step16", "step17", llm, args, attention_backend=llm.model.attention_backend.name)  # the same path
+    show_mixed_kernel(llm)
+    show_launches(llm)
+    show_no_phases(llm)
+    before_after("step17", "step18", llm, args, attention_backend=llm.model.attention_backend.name)  # the same path
     if llm.model.attention_backend.name != "triton":
-        print("Both engines ran the same per-sequence loop here: what the kernels change needs a GPU (the chapter "
-              "has the H200's figures).")
+        print("Both engines ran the same per-sequence loop here: what one launch per layer saves needs a GPU (the "
+              "chapter has the H200's figures).")
 
 
 def print_attention_backend(llm) -> None:
-    """Which attention path the engine runs: this step's kernels, or step14_7's loop (their reference math)."""
+    """Which attention path the engine runs: this step's kernel, or step14_7's loop (their reference math)."""
     if llm.model.attention_backend.name == "triton":
-        path = ("decodes: flash decoding (kernels/decode.py: split kernel + merge kernel per layer, the split count "
-                "chosen each step); prefill chunks: step15's kernel")
+        path = ("every row of a step, decodes and prefill chunks alike: one launch per layer (kernels/attention.py's "
+                "mixed_attention); a step of decodes only that splits: flash decoding (kernels/decode.py)")
     else:
         path = "every sequence through step14_7's loop (the kernels' reference math); " + (
             "no CUDA device here" if llm.device.type != "cuda" else "as asked")
     print(f"attention backend: {llm.model.attention_backend.name} -> {path}")
 
 
-def show_flash_decoding(llm) -> None:
-    c = llm.model.config
-    on_gpu = llm.device.type == "cuda"
+def mixed_requests(vocab: int) -> tuple[list, list]:
+    """Five prompts of 3 to 64 tokens, 6 to 10 new tokens each: with 4 seats and a budget of 32 tokens, most steps
+    hold decodes and a prompt chunk together."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in (3, 17, 40, 9, 64)]
+    return prompts, [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(5)]
+
+
+def show_mixed_kernel(llm) -> None:
     if kernels_cannot_run(llm):
         print(f"\nthe kernels do not run here: {kernels_cannot_run(llm)}")
         return
-    try:
-        from .kernels.decode import choose_num_splits, flash_decode, paged_decode_v2
-    except ImportError as error:
-        print(f"\nthe kernels cannot be loaded here ({error}); the engine ran the torch path")
+    from .kernels.attention import attention_reference, mixed_attention
+
+    c, dev = llm.model.config, llm.device
+    dtype = llm.dtype if dev.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    query_lens, cached, block_size = [1, 1, 12, 1, 30], [40, 7, 20, 0, 0], 16
+    ctx = [a + b for a, b in zip(query_lens, cached)]
+    blocks = [-(-n // block_size) for n in ctx]
+    tables = torch.zeros(len(ctx), max(blocks), dtype=torch.int32)
+    order = torch.randperm(sum(blocks), generator=gen)
+    used = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[used:used + n]
+        used += n
+    shape = (sum(blocks), block_size, c.num_kv_heads, c.head_dim)
+    k, v = (torch.randn(shape, generator=gen).to(dtype).to(dev) for _ in range(2))
+    q = torch.randn(sum(query_lens), c.num_heads, c.head_dim, generator=gen).to(dtype).to(dev)
+    cu = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    lens = torch.tensor(ctx, dtype=torch.int32, device=dev)
+    tables, scale = tables.to(dev), c.head_dim ** -0.5
+    diff = (mixed_attention(q, k, v, tables, cu, lens, scale, max(query_lens)).float()
+            - attention_reference(q, k, v, tables, cu, lens, scale).float()).abs().max().item()
+    where = "compiled for the GPU" if dev.type == "cuda" else "in Triton's interpreter (TRITON_INTERPRET=1), on the CPU"
+    print(f"\nThe mixed kernel, {where}, {c.num_heads} query heads / {c.num_kv_heads} KV heads, head_dim {c.head_dim}: "
+          f"one launch for 3 decodes (contexts of 41, 8 and 1 tokens) and 2 chunks (12 new tokens after 20 cached, a "
+          f"prompt of 30): max |difference| from the torch reference {diff:.1e}")
+
+
+KERNEL_FUNCTIONS = {"attention": ("paged_attention", "mixed_attention"),  # step17's prefill kernel, step18's
+                    "decode": ("paged_decode_v2", "flash_decode")}  # flash_decode launches a split and a merge
+
+
+def count_attention_launches(step: str) -> tuple[dict, list]:
+    """Wrap the attention kernels of steps/<step> so that every launch is counted -> (the count, the originals to
+    put back with restore())."""
+    calls, originals = {"n": 0}, []
+    for module, names in KERNEL_FUNCTIONS.items():
+        kernels = step_module(step, f"kernels.{module}")
+        for name in names:
+            if hasattr(kernels, name):
+                real = getattr(kernels, name)
+                originals.append((kernels, name, real))
+
+                def counted(*a, _real=real, _n=2 if name == "flash_decode" else 1, **kw):
+                    calls["n"] += _n
+                    return _real(*a, **kw)
+                setattr(kernels, name, counted)
+    return calls, originals
+
+
+def restore(originals: list) -> None:
+    for module, name, real in originals:
+        setattr(module, name, real)
+
+
+def show_launches(llm) -> None:
+    """Attention kernels launched per layer per engine step, counted, step17 and step18 on the same requests. On a
+    CPU the kernels run in the interpreter, too slow for the real model: a tiny model of the same code counts."""
+    if kernels_cannot_run(llm):
         return
-    paged_decodes = step_module("step16", "run").paged_decodes  # the same decodes as step16's demo
-    scale = c.head_dim ** -0.5
-    q, k, v, tables, lens = paged_decodes(llm, 2, 100)
-    lens = torch.tensor([100, 33], dtype=torch.int32, device=llm.device)
-    expected = paged_decode_v2(q, k, v, tables, lens, scale).float()
-    diffs = {n: (flash_decode(q, k, v, tables, lens, scale, n).float() - expected).abs().max().item()
-             for n in (1, 2, 3, 8, 50)}
-    where = "compiled for the GPU" if on_gpu else "in Triton's interpreter (TRITON_INTERPRET=1), on the CPU"
-    print(f"\nFlash decoding, {where}, against step16's v2 on 2 decodes of 100 and 33 tokens of context: max "
-          f"|difference| by split count: " + ", ".join(f"{n}: {d:.1e}" for n, d in diffs.items())
-          + " (50 splits: most of them get no key at all)")
-    context = 32768 if on_gpu else 512
-    q, k, v, tables, lens = paged_decodes(llm, 1, context)
-    sms = torch.cuda.get_device_properties(llm.device).multi_processor_count if on_gpu else 132
-    chosen = choose_num_splits(1, c.num_kv_heads, context, num_sms=sms)
-    kv_bytes = 2 * context * c.num_kv_heads * c.head_dim * k.element_size()
-    if on_gpu:
-        copy = copy_gb_per_s(llm.device, 1024)
-        rows = [["copy bandwidth (read + write)", "-", "-", "-", f"{copy:.0f}", "100%", ""]]
-        cases = [("step16 v2: one program per KV head", c.num_kv_heads,
-                  lambda: paged_decode_v2(q, k, v, tables, lens, scale))]
-        for n in sorted({1, 4, 16, chosen, 64}):
-            cases.append((f"flash decoding, {n} splits" + (" (chosen)" if n == chosen else ""), c.num_kv_heads * n,
-                          lambda n=n: flash_decode(q, k, v, tables, lens, scale, n)))
-        v2_gpu = None
-        for label, programs, fn in cases:
-            ms, gpu = time_ms(fn, llm.device, repeat=50), kernel_ms(fn, llm.device)
-            v2_gpu = v2_gpu or gpu
-            rows.append([label, programs, f"{ms:.4f}", f"{gpu:.4f}", f"{kv_bytes / gpu / 1e6:.0f}",
-                         f"{100 * kv_bytes / gpu / 1e6 / copy:.0f}%", f"{v2_gpu / gpu:.2f}x"])
-    gpu_name = f"{sms} SMs" if on_gpu else f"{sms} SMs (an H200's count: this machine has no GPU)"
-    if on_gpu:
-        print(f"\nOne decode of {context} tokens of context, one layer ({kv_bytes / 2**20:.1f} MiB of K/V; the rule "
-              f"picks {chosen} splits for {gpu_name}; median of repeated calls, {llm.device}; GB/s and speed-up from "
-              f"the kernels' own time):")
-        print(format_table(["how", "programs", "ms per call", "kernels alone ms", "GB/s of K/V", "of copy bandwidth",
-                            "vs v2"], rows))
-        print("\"ms per call\" is what a caller waits, Python and launches included: at batch 1 the kernels take a few "
-              "microseconds and the launches dominate it (step21's CUDA graphs remove them); \"kernels alone\" is the "
-              "GPU's time in the kernels (CUDA profiler).")
-    else:
-        print(f"\nNot timed here: on a CPU the kernels run only in Triton's interpreter (correct, as checked above, "
-              f"and far too slow to time). On a GPU this run times v2 against flash decoding with 1, 4, 16 and 64 "
-              f"splits on one decode of 32768 tokens, in GB/s against the device's copy bandwidth; the chapter "
-              "has the H200's table.")
-    picks = [[batch, context, batch * c.num_kv_heads, choose_num_splits(batch, c.num_kv_heads, context, num_sms=sms)]
-             for batch, context in ((1, 1024), (1, 32768), (4, 32768), (16, 4096), (64, 2048))]
-    print(f"\nWhat choose_num_splits picks for this model ({c.num_kv_heads} KV heads) on {gpu_name}: about two "
-          f"programs per SM, never a part shorter than 256 tokens:")
-    print(format_table(["batch", "context", "programs without a split", "splits"], picks))
+    on_gpu = llm.device.type == "cuda"
+    model = llm.model_name if on_gpu else "random:tiny-llama"
+    rows = []
+    for step in ("step17", "step18"):
+        options = dict(attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=32, max_kv_tokens=4096)
+        engine = step_module(step, "engine").LLM(model, device=llm.device, dtype=llm.dtype if on_gpu else None,
+                                                 **options)
+        prompts, params = mixed_requests(engine.model.config.vocab_size)
+        calls, originals = count_attention_launches(step)
+        try:
+            engine.generate(prompts, params)
+        finally:
+            restore(originals)
+        layers, steps = engine.model.config.num_layers, engine.timers.steps
+        rows.append([step, steps, engine.stats["decode_steps"], engine.stats["prefill_chunks"], calls["n"],
+                     f"{calls['n'] / (steps * layers):.2f}"])
+    print(f"\nAttention kernels launched, counted, on 5 requests with 4 seats and a budget of 32 tokens ({model}):")
+    print(format_table(["step", "engine steps", "steps with decodes", "prefill chunks", "attention launches",
+                        "per layer per step"], rows))
+    print("step17 launches its decode kernel and its prefill kernel in a step that holds both; step18 one kernel for "
+          "every row.")
+
+
+def show_no_phases(llm) -> None:
+    """A 300-token prompt arrives while three requests decode, budget 64: the schedule, step by step."""
+    engine = LLM(llm.model_name, device=llm.device, dtype=llm.dtype, attention_backend=llm.model.attention_backend.name,
+                 max_num_seqs=4, max_num_batched_tokens=64, max_kv_tokens=4096)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for n in (5, 7, 9):
+        engine.add_request(list(range(10, 10 + n)), sp)
+    for _ in range(3):
+        engine.step()
+    engine.add_request(list(range(10, 310)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    schedule, rows = engine.scheduler.schedule, []
+
+    def traced():
+        work = schedule()
+        decodes = [n for r, n in work if n == 1 and r.num_computed_tokens + 1 == r.num_tokens]
+        chunks = [n for r, n in work if not (n == 1 and r.num_computed_tokens + 1 == r.num_tokens)]
+        rows.append([len(rows) + 1, len(decodes), " + ".join(map(str, chunks)) or "-", len(decodes) + sum(chunks)])
+        return work
+
+    engine.scheduler.schedule = traced
+    while engine.scheduler.has_unfinished() and len(rows) < 8:
+        engine.step()
+    print("\nNo phases: a prompt of 300 tokens arrives while 3 requests decode (budget 64 tokens per step). Each step, "
+          "every request catches up, the least behind first:")
+    print(format_table(["step", "decodes (1 token each)", "prompt chunk tokens", "tokens scheduled"], rows))
+    print("The decodes get their token in every step; the prompt takes what is left of the budget, 61 tokens a step, "
+          "until it is in.")
 
 
 if __name__ == "__main__":
