@@ -39,6 +39,7 @@ def show_lesson(llm, args) -> None:
     show_mixed_kernel(llm)
     show_launches(llm)
     show_no_phases(llm)
+    show_latency(llm)
     before_after("step17", "step18", llm, args, attention_backend=llm.model.attention_backend.name)  # the same path
     if llm.model.attention_backend.name != "triton":
         print("Both engines ran the same per-sequence loop here: what one launch per layer saves needs a GPU (the "
@@ -178,6 +179,75 @@ def show_no_phases(llm) -> None:
     print(format_table(["step", "decodes (1 token each)", "prompt chunk tokens", "tokens scheduled"], rows))
     print("The decodes get their token in every step; the prompt takes what is left of the budget, 61 tokens a step, "
           "until it is in.")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def latency_run(step: str, llm, decoders: int, decode_tokens: int, long_lens: tuple, budget: int) -> dict:
+    """`decoders` requests decode; once every one has its first token, prompts of long_lens tokens arrive. -> the
+    gaps between two tokens of a decoding request while the long prompts are in (ms), the long prompts' time to
+    first token (ms), and the steps taken."""
+    import time
+
+    engine = step_module(step, "engine").LLM(
+        llm.model_name, device=llm.device, dtype=llm.dtype, attention_backend=llm.model.attention_backend.name,
+        max_num_seqs=decoders + len(long_lens), max_num_batched_tokens=budget,
+        max_kv_tokens=16 * (-(-(decoders * (16 + decode_tokens) + sum(long_lens) + 64 * len(long_lens)) // 16)))
+    vocab = engine.model.config.vocab_size
+    rng = random.Random(3)
+    seqs, times = {}, {}
+
+    def add(n_prompt: int, n_new: int) -> str:
+        rid = engine.add_request([rng.randrange(1, vocab) for _ in range(n_prompt)],
+                                 SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True))
+        seqs[rid] = engine.scheduler.waiting[-1]
+        times[rid] = [time.perf_counter()]  # when it arrived, then one time per token
+        return rid
+
+    def step() -> None:
+        engine.step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        for rid, seq in seqs.items():
+            while len(times[rid]) - 1 < len(seq.output_ids):
+                times[rid].append(now)
+
+    decoding = [add(16, decode_tokens) for _ in range(decoders)]
+    while any(len(times[r]) < 2 for r in decoding):
+        step()
+    arrived = time.perf_counter()
+    longs = [add(n, 8) for n in long_lens]
+    while any(len(times[r]) < 2 for r in longs):  # until every long prompt has its first token
+        step()
+    settled = time.perf_counter()
+    gaps = [1000 * (b - a) for r in decoding for a, b in zip(times[r][1:], times[r][2:]) if a >= arrived and b <= settled]
+    ttft = [1000 * (times[r][1] - times[r][0]) for r in longs]
+    while engine.scheduler.has_unfinished():
+        step()
+    return {"gaps": gaps, "ttft": ttft}
+
+
+def show_latency(llm) -> None:
+    """The inter-token latency of running decodes while long prompts arrive, step17 beside step18."""
+    on_gpu = llm.device.type == "cuda"
+    decoders, decode_tokens, long_lens, budget = (32, 96, (2000, 3000, 4000), 512) if on_gpu else (4, 40, (300,), 64)
+    latency_run("step17", llm, 2, 8, (64,), budget)  # warm-up: the kernels are compiled before anything is timed
+    latency_run("step18", llm, 2, 8, (64,), budget)
+    rows = []
+    for step in ("step17", "step18"):
+        r = latency_run(step, llm, decoders, decode_tokens, long_lens, budget)
+        rows.append([step, len(r["gaps"]), f"{percentile(r['gaps'], 0.5):.1f}", f"{percentile(r['gaps'], 0.99):.1f}",
+                     f"{max(r['gaps']):.1f}", f"{percentile(r['ttft'], 0.5):.0f}"])
+    print(f"\n{decoders} requests decode; then prompts of {', '.join(map(str, long_lens))} tokens arrive (budget "
+          f"{budget} tokens per step, {llm.device}, {llm.model.attention_backend.name} attention). The decoding "
+          "requests' inter-token latency until every long prompt has its first token, and the long prompts' time to "
+          "first token:")
+    print(format_table(["step", "gaps measured", "ITL p50 ms", "ITL p99 ms", "ITL max ms", "TTFT of the long, median ms"],
+                       rows))
 
 
 if __name__ == "__main__":
