@@ -205,7 +205,9 @@ def bench_table(device: str, workload: str, *steps: str) -> str:
     for step in steps:
         r = _result(device, workload, step)
         if r is None:
-            rows.append([step, "not measured", "", ""] + ([""] if cb else []) + ["", ""])
+            why = _bench[device]["workloads"].get(workload, {}).get("pending", {}).get(step)
+            rows.append([step, f"not measured: {why}" if why else "not measured", "", ""] + ([""] if cb else [])
+                        + ["", ""])
             continue
         first = first or r
         for field, text in (("tokens_per_s", f"{r['tokens_per_s']:.1f}"), ("ttft", _ttft(r)),
@@ -326,7 +328,10 @@ def bench_matrix(spec: str) -> str:
         if d not in devices:
             devices.append(d)
     captions = [_caption(d, *dict.fromkeys(wl for dd, wl in cols if dd == d)) for d in devices]
-    return (_html_table(header, rows) + "\n\n<small>tokens/s; - = not measured.</small>\n\n"
+    pending = sorted({f"{step} {why}" for d, wl in cols for step, why in
+                      _bench[d]["workloads"].get(wl, {}).get("pending", {}).items() if step in steps})
+    return (_html_table(header, rows) + "\n\n<small>tokens/s; - = not measured"
+            + (f" ({'; '.join(pending)})" if pending else "") + ".</small>\n\n"
             + "\n\n".join(captions))
 
 
