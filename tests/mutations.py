@@ -178,6 +178,18 @@ MUTATIONS = [
         ("tests/test_part6_decode.py::test_empty_splits_write_the_empty_state",
          "tests/test_part6_decode.py::test_flash_decode_matches_reference_and_v2")),
     Mutation(
+        "step18-mixed-no-causal", "step18's mixed kernel lets every token of a chunk see the whole chunk",
+        "steps/step18/kernels/attention.py",
+        "query_pos = ctx - q_len + token  # each row's position in its sequence: causal within the chunk",
+        "query_pos = ctx - 1 + token * 0  # each row's position in its sequence: causal within the chunk",
+        ("tests/test_part6_mixed.py::test_mixed_kernel_equals_reference",)),
+    Mutation(
+        "step18-schedule-most-behind-first", "step18's scheduler serves the most behind first",
+        "steps/step18/scheduler.py",
+        "for r in sorted(self.running, key=behind):",
+        "for r in sorted(self.running, key=lambda r: -behind(r)):",
+        ("tests/test_part6_mixed.py::test_a_long_prompt_never_holds_back_a_decode",)),
+    Mutation(
         "step16-v1-empty-slots-score-0", "step16's v1 reads empty slots as score 0",
         "steps/step16/kernels/decode.py",
         "s = tl.load(scores_row + pos, mask=valid, other=float(\"-inf\"))",

@@ -21,6 +21,13 @@ def demo_script() -> str:
     return re.search(r"steps/\S+/run\.py", recipe).group(0)
 
 
+def test_make_demo_runs_the_newest_step():
+    from registry import NEWEST
+
+    assert demo_script() == f"steps/{NEWEST}/run.py", "make demo must show the newest step (Makefile, README)"
+    assert f"steps/{NEWEST}/run.py" in (ROOT / "README.md").read_text()
+
+
 @pytest.mark.slow
 def test_make_demo_works_on_an_empty_cache(tmp_path):
     script = demo_script()
