@@ -272,3 +272,101 @@ def kernels_cannot_run(llm) -> str | None:
         return "on a CPU Triton's kernels run only in its interpreter, and TRITON_INTERPRET is not 1"
     return None
 
+
+
+# ---- Part 6: counting kernel launches -----------------------------------------------------------------------
+NO_KERNEL_PREFIXES = ("aten.empty", "aten.new_empty", "aten.set_", "aten.lift_fresh", "aten.detach", "aten.alias",
+                      "profiler.")  # allocations and bookkeeping: the caching allocator, never a kernel
+
+
+def shares_storage(a, b) -> bool:
+    """Whether tensors a and b are views of one storage (an operator that returned a view launched nothing; one
+    flagged as a view that copied, such as .to() changing the dtype, did)."""
+    import torch
+
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return True  # nothing to compare: a list of views (split, chunk)
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+class LaunchCounter:
+    """Counts, while active, the kernels a block of code would launch on a GPU, on any device: every torch operator
+    that runs a kernel of its own (not a view, not an allocation, not a composite that runs others), and every Triton
+    kernel launch. The torch operators a Triton launch runs inside itself (Triton's interpreter runs kernels on the
+    CPU through torch) are not counted: a compiled launch has none. A matmul counts as one (cuBLAS may launch two). `ops` and `triton` are the two counts; `by_op`
+    names each torch operator counted. On a GPU the CUDA profiler's kernel count says the same thing (gpu_kernels)."""
+
+    def __init__(self):
+        import collections
+
+        self.ops, self.triton, self.by_op = 0, 0, collections.Counter()
+
+    @property
+    def launches(self) -> int:
+        return self.ops + self.triton
+
+    def __enter__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        depth = [0]
+
+        class Mode(TorchDispatchMode):
+            # The mode sees each operator the code calls, composites included (matmul, not the mm it runs: the
+            # operators a handled call runs inside it do not come back here), so nothing is counted twice.
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                name = str(func)
+                if depth[0] == 0 and not name.startswith(NO_KERNEL_PREFIXES) and not (
+                        func.is_view and shares_storage(out, args[0] if args else None)):  # a view: no kernel
+                    counter.ops += 1
+                    counter.by_op[name] += 1
+                return out
+
+        self._patched = []
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+            from triton.runtime.jit import JITFunction
+            classes = (InterpretedFunction, JITFunction)
+        except ImportError:  # no Triton: torch operators only
+            classes = ()
+        for cls in classes:
+            original = cls.run
+
+            def run(fn_self, *args, _original=original, **kwargs):
+                if kwargs.get("warmup"):
+                    return _original(fn_self, *args, **kwargs)
+                counter.triton += depth[0] == 0
+                depth[0] += 1
+                try:
+                    return _original(fn_self, *args, **kwargs)
+                finally:
+                    depth[0] -= 1
+
+            cls.run = run
+            self._patched.append((cls, original))
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        for cls, original in self._patched:
+            cls.run = original
+        return False
+
+
+def gpu_kernels(fn, device) -> int | None:
+    """The kernels fn launches on the GPU, counted by the CUDA profiler (after one warm-up call). None off CUDA."""
+    if device.type != "cuda":
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())

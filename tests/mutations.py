@@ -190,6 +190,18 @@ MUTATIONS = [
         "for r in sorted(self.running, key=lambda r: -behind(r)):",
         ("tests/test_part6_mixed.py::test_a_long_prompt_never_holds_back_a_decode",)),
     Mutation(
+        "step19-norm-before-add", "step19's add + RMSNorm kernel normalises x without the residual",
+        "steps/step19/kernels/fused.py",
+        "s = (s.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)  # the add, rounded as torch's",
+        "s = (s.to(tl.float32) + 0 * r.to(tl.float32)).to(out_ptr.dtype.element_ty)  # the add, rounded as torch's",
+        ("tests/test_part6_fused.py::test_add_rms_norm_equals_torch",)),
+    Mutation(
+        "step19-k-norm-with-q-weight", "step19's q/k norm + RoPE kernel normalises k's heads with q's weight",
+        "steps/step19/kernels/fused.py",
+        "is_q = heads < NUM_HEADS  # q's heads come first, then k's",
+        "is_q = heads >= 0  # q's heads come first, then k's",
+        ("tests/test_part6_fused.py::test_qk_norm_rope_equals_torch",)),
+    Mutation(
         "step16-v1-empty-slots-score-0", "step16's v1 reads empty slots as score 0",
         "steps/step16/kernels/decode.py",
         "s = tl.load(scores_row + pos, mask=valid, other=float(\"-inf\"))",
@@ -208,6 +220,12 @@ MUTATIONS = [
         "            alpha = tl.exp2(m - m_new)\n            p = tl.exp2(s - m_new[:, None])  # [BLOCK_G",
         "            alpha = tl.exp2(m_new - m_new)\n            p = tl.exp2(s - m_new[:, None])  # [BLOCK_G",
         ("tests/test_part6_decode.py::test_flash_decode_matches_reference_and_v2",)),
+    Mutation(
+        "step20-int8-keys-unscaled", "step20's mixed kernel reads int8 keys without multiplying by their scales",
+        "steps/step20/kernels/attention.py",
+        "k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)",
+        "k = k.to(q.dtype)",
+        ("tests/test_part6_int8.py::test_mixed_kernel_int8_equals_dequantised_reference",)),
 ]
 
 

@@ -33,6 +33,8 @@ The features (the step that brings each one in is where its lesson is tested in 
     triton_prefill      kernels/attention.py: flash attention over the paged cache (Triton)
     triton_decode       kernels/decode.py: paged decode kernels v1 and v2 (Triton)
     flash_decoding      kernels/decode.py: split-K decode (split + merge kernels), choose_num_splits
+    mixed_batch_kernel  kernels/attention.py: one attention launch per layer for decodes and chunks, no phases
+    fused_kernels       kernels/fused.py: residual add + RMSNorm, SiLU * up, q/k norm + RoPE (Triton)
 """
 from __future__ import annotations
 
@@ -96,6 +98,7 @@ step("step15", 6, adds=("triton_prefill",))
 step("step16", 6, adds=("triton_decode",))
 step("step17", 6, adds=("flash_decoding",))
 step("step18", 6, adds=("mixed_batch_kernel",), removes=("triton_prefill",))
+step("step19", 6, adds=("fused_kernels",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}
