@@ -1,0 +1,136 @@
+"""The model runner: the engine's one door to the model.
+
+It owns the model and the KV cache (allocates it, sized from the device's memory), turns the scheduled
+sequences into the tensors the model reads (input ids, positions, the slot mapping, and one AttentionMetadata
+that the model's attention backend builds: attention.py), runs the forward, and samples the next tokens. The
+scheduler and the block manager never touch a tensor; the model never sees a sequence.
+
+step20: the cache may be int8 (kv_cache_dtype="int8"), and its size counts the scales: kv_bytes_per_token.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from .model import CausalLM, KVCache, slot_mapping
+from .sampler import sample_batch
+from .sequence import Sequence
+
+CPU_DEFAULT_KV_TOKENS = 32768  # on the CPU, max_kv_tokens sizes the cache (default 32768 tokens)
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token in every layer: 2 x layers x kv_heads x head_dim x bytes per element. int8: one byte
+    per element, plus the fp32 scale of each (token, KV head) row: 2 x layers x kv_heads x (head_dim + 4)."""
+    if kv_cache_dtype == "int8":
+        return 2 * config.num_layers * config.num_kv_heads * (config.head_dim * 1 + 4)
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+
+
+def kv_pool_blocks(total_bytes: int, gpu_memory_utilization: float, used_bytes: int, bytes_per_block: int) -> int:
+    """The KV cache's size in blocks: the share of the device we may use, minus what the weights and the peak of
+    a warm-up forward took, in whole blocks (vLLM's gpu_memory_utilization, same meaning)."""
+    return max(int(total_bytes * gpu_memory_utilization) - used_bytes, 0) // bytes_per_block
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor built on the CPU -> device. On CUDA: one copy from pinned (page-locked) memory, queued without
+    making the CPU wait (the GPU runs it before the kernels that read the tensor). On the CPU: no copy at all."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, timers, stats: dict,
+                 kv_cache_dtype: str = "auto"):
+        self.model, self.device, self.dtype = model, device, dtype
+        self.kv_cache_dtype = kv_cache_dtype  # "auto" (the model's dtype) or "int8" (model.py's KVCache)
+        self.timers = timers  # the engine's phase timers: "prepare inputs", "forward" and "sample" are ours
+        self.stats = stats  # the engine's counters: we count model forwards
+        self.kv_cache: KVCache | None = None
+
+    # ---- the KV cache -------------------------------------------------------------------------------------
+    def allocate_kv_cache(self, max_kv_tokens: int | None, block_size: int, warmup_tokens: int,
+                          gpu_memory_utilization: float) -> dict:
+        """Size the cache and allocate it; bind it to the model. Given max_kv_tokens (the CPU default, or a
+        choice): that many tokens. Else (CUDA): profile one forward of the largest step (warmup_tokens prompt
+        tokens), then give the cache what is left of gpu_memory_utilization x the device's memory after the
+        weights and that forward's peak. -> what was decided (blocks, bytes per token, why)."""
+        per_token = kv_bytes_per_token(self.model.config, self.dtype, self.kv_cache_dtype)
+        kv_dtype = "int8" if self.kv_cache_dtype == "int8" else str(self.dtype).replace("torch.", "")
+        memory = {"bytes_per_token": per_token, "block_size": block_size, "kv_cache_dtype": self.kv_cache_dtype,
+                  "kv_dtype": kv_dtype}
+        if max_kv_tokens is not None:
+            memory.update(num_blocks=max_kv_tokens // block_size, sized_by="max_kv_tokens")
+        else:
+            used = self._profile_peak_bytes(warmup_tokens, block_size)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            num_blocks = kv_pool_blocks(total, gpu_memory_utilization, used, per_token * block_size)
+            if num_blocks * block_size < warmup_tokens:
+                share = total * gpu_memory_utilization / 2**30
+                raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: {share:.2f} GiB of the device's "
+                                 f"{total / 2**30:.2f} GiB, minus {used / 2**30:.2f} GiB for weights and a warm-up "
+                                 f"forward, leaves room for {num_blocks * block_size} KV tokens, fewer than one "
+                                 f"step's {warmup_tokens}; raise gpu_memory_utilization or lower "
+                                 "max_num_batched_tokens")
+            memory.update(num_blocks=num_blocks, sized_by=f"gpu_memory_utilization={gpu_memory_utilization}",
+                          total_bytes=total, used_bytes=used, utilization=gpu_memory_utilization)
+        self.kv_cache = self.model.kv_cache = KVCache(self.model.config, memory["num_blocks"], block_size,
+                                                      self.device, self.dtype, self.kv_cache_dtype)
+        return memory
+
+    def _profile_peak_bytes(self, num_tokens: int, block_size: int) -> int:
+        """Run one forward of num_tokens prompt tokens through a scratch cache; return the peak bytes allocated
+        (weights + the largest activations), without the scratch cache itself (the real cache replaces it)."""
+        num_blocks = -(-num_tokens // block_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.model.kv_cache = KVCache(self.model.config, num_blocks, block_size, self.device, self.dtype,
+                                      self.kv_cache_dtype)
+        # One prompt of num_tokens tokens, as the attention backend reads a sequence: its metadata is built by the
+        # backend that will run (the kernels' on the triton path), through the same prepare as every step.
+        prompt = SimpleNamespace(token_ids=[0] * num_tokens, num_computed_tokens=0, num_tokens=num_tokens,
+                                 block_table=list(range(num_blocks)))
+        self.model.forward(*self.prepare([(prompt, num_tokens)], block_size))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.model.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak - num_blocks * block_size * kv_bytes_per_token(self.model.config, self.dtype, self.kv_cache_dtype)
+
+    # ---- one engine step ----------------------------------------------------------------------------------
+    def prepare(self, work: list[tuple[Sequence, int]], block_size: int | None = None):
+        """Every scheduled (sequence, number of new tokens) -> one flat batch: input ids and positions [N], and
+        the attention metadata (built by the model's attention backend, attention.py). A decode is a sequence
+        with one new token; a prefill chunk has n."""
+        block_size = block_size or self.kv_cache.data.shape[3]
+        ids, positions = [], []
+        for seq, n in work:
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+        slots = slot_mapping([seq.num_computed_tokens for seq, _ in work], [n for _, n in work],
+                             [seq.block_table for seq, _ in work], block_size)  # [N]: where the K/V write goes
+        metadata = self.model.attention_backend.metadata(work, to_device(slots, self.device), block_size)
+        return to_device(torch.tensor(ids), self.device), to_device(torch.tensor(positions), self.device), metadata
+
+    def execute(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Run the scheduled work in one forward: every (sequence, new tokens) side by side in one flat batch.
+        -> the logits of each sequence's last new token, in the order of the work: [S, vocab]."""
+        with self.timers.phase("prepare inputs"):
+            input_ids, positions, attn = self.prepare(work)
+        with self.timers.phase("forward"):
+            self.stats["forwards"] += 1
+            return self.model.forward(input_ids, positions, attn)
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float], torch.Tensor]:
+        """One sampler call for the batch: logits [B, vocab] -> (next token ids, their logprobs, all logprobs)."""
+        with self.timers.phase("sample"):
+            token_logprobs = torch.log_softmax(logits, dim=-1)  # [B, vocab]
+            next_ids = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            rows = torch.arange(len(seqs), device=logits.device)
+            chosen = token_logprobs[rows, torch.tensor(next_ids, device=logits.device)].tolist()
+        return next_ids, chosen, token_logprobs

@@ -1,0 +1,92 @@
+"""Turning logits into next tokens for a whole batch at once: temperature, min-p, top-k, top-p, seeded draws.
+
+Each request's parameters become one entry of a tensor ([B] temperatures, [B] top-k ...), so every filter
+is one tensor operation over the batch instead of one call per request. Each request still draws with its
+own generator: a seeded request gets the same tokens alone or in any batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from shared import SamplingParams
+
+
+def _per_row(value, logits: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A number or a [B] tensor -> [..., 1], one value per row of logits [..., vocab]."""
+    value = torch.as_tensor(value, device=logits.device, dtype=dtype)
+    return value.expand(logits.shape[:-1]).unsqueeze(-1)
+
+
+def apply_top_k(logits: torch.Tensor, k) -> torch.Tensor:
+    """Per row: keep the k largest logits (and any tied with the k-th), set the rest to -inf. k <= 0: no cut.
+    logits: [..., vocab]; k: a number or one per row."""
+    vocab = logits.shape[-1]
+    k = _per_row(k, logits)  # [..., 1]
+    k = torch.where((k <= 0) | (k > vocab), vocab, k)
+    cut = k < vocab  # [..., 1]: the rows that ask for a cut
+    if not bool(cut.any()):
+        return logits
+    # topk of the largest k asked for, not a sort of the whole vocabulary: a sort of 49,152 logits per row
+    # costs far more than finding the 50 largest. Rows without a cut get -inf as their threshold.
+    largest = int(k[cut].max())
+    kth_largest = logits.topk(largest, dim=-1).values.gather(-1, k.clamp(max=largest) - 1)  # [..., 1]
+    kth_largest = torch.where(cut, kth_largest, float("-inf"))
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, p) -> torch.Tensor:
+    """Per row, nucleus: keep the smallest set of most likely tokens whose probabilities sum to >= p."""
+    p = _per_row(p, logits, logits.dtype)  # [..., 1]
+    cut = (p < 1.0).squeeze(-1)  # [...]: the rows that ask for a cut (p = 1: no cut)
+    if not bool(cut.any()):
+        return logits
+    rows, p = logits[cut], p[cut]  # sort only those rows: the sort is the cost
+    sorted_logits, order = torch.sort(rows, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of all more-likely tokens
+    drop_sorted = mass_before >= p  # the set already reached p without this token
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    out = logits.clone()
+    out[cut] = rows.masked_fill(drop, float("-inf"))
+    return out
+
+
+def apply_min_p(logits: torch.Tensor, min_p) -> torch.Tensor:
+    """Per row: drop tokens whose probability is below min_p x the probability of the row's most likely token."""
+    min_p = _per_row(min_p, logits, logits.dtype)  # [..., 1]
+    if bool((min_p <= 0.0).all()):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+
+
+def make_generator(sp: SamplingParams, device: torch.device) -> torch.Generator:
+    """A per-request random stream: the same seed gives the same samples, whatever else runs."""
+    generator = torch.Generator(device=device)
+    seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)))
+    generator.manual_seed(seed)
+    return generator
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+    """logits: [B, vocab] (fp32), one row per request -> the next token id of each request."""
+    next_ids = torch.argmax(logits, dim=-1).tolist()  # greedy rows are done here
+    rows = [i for i, sp in enumerate(params) if not sp.greedy]
+    if not rows:
+        return next_ids
+    def column(name):
+        return torch.tensor([getattr(params[i], name) for i in rows], device=logits.device)
+    # The order of current vLLM: temperature, then min-p, then top-k and top-p.
+    sampled = logits[rows] / column("temperature").to(logits.dtype)[:, None]  # [S, vocab]
+    sampled = apply_min_p(sampled, column("min_p").to(logits.dtype))
+    sampled = apply_top_k(sampled, column("top_k"))
+    sampled = apply_top_p(sampled, column("top_p").to(logits.dtype))
+    probs = torch.softmax(sampled, dim=-1)  # [S, vocab]
+    for j, i in enumerate(rows):  # each request draws from its own stream
+        next_ids[i] = int(torch.multinomial(probs[j], num_samples=1, generator=generators[i]))
+    return next_ids
+
+
+def sample(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator) -> int:
+    """One request: logits [vocab] -> the next token id (a batch of one)."""
+    return sample_batch(logits[None], [sp], [generator])[0]
