@@ -14,8 +14,10 @@ Key tiles wholly below the tile's first query need no mask (phase 1); the tiles 
 masked (phase 2); tiles above the tile's last query are never read.
 
 step20: an int8 cache. Given k_scale and v_scale ([num_blocks, block_size, kv_heads] fp32, one scale per token
-and KV head), the kernel loads each K/V tile as int8 (a quarter of fp32's bytes, half of bf16's), converts it to
-fp32, multiplies every key's row by its scale and casts to q's dtype; from there the tile goes on as before.
+and KV head), the kernel loads each K/V tile as int8 (a quarter of fp32's bytes, half of bf16's) and converts it to
+q's dtype, exactly (the values are -127..127). A key's scale is one number for its whole row, so it multiplies the
+key's column of scores after q . k, and the value's scale the column of probabilities before p @ v: BLOCK_N
+multiplies a row of the tile instead of BLOCK_N x head_dim.
 QUANTIZED is a constexpr: without scales the dequantising lines are not compiled at all, and the kernel is
 step18's.
 """
@@ -88,10 +90,11 @@ if triton is not None:
                 scale_slot = block.to(tl.int64) * stride_sb + (keys_pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
                 k_s = tl.load(k_scale_ptr + scale_slot)
                 v_s = tl.load(v_scale_ptr + scale_slot)
-        if QUANTIZED:  # int8 -> fp32, times each key's scale, -> q's dtype: from here on the tile is step18's
-            k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
+        if QUANTIZED:  # int8 -> q's dtype, exact (-127..127); the scales are applied to scores and probabilities
+            k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [BLOCK_M, BLOCK_N], in log2 units
+        if QUANTIZED:  # q . (k_int * k_s) = (q . k_int) * k_s: one multiply per score, not per key element
+            s = s * k_s[None, :]
         if MASKED:  # only the tiles that cross the diagonal (or the context's end) pay for the mask
             allowed = (keys_pos[None, :] <= query_pos[:, None]) & in_ctx[None, :]
             s = tl.where(allowed, s, float("-inf"))
@@ -102,6 +105,8 @@ if triton is not None:
         p = tl.exp2(s - m_safe[:, None])
         correction = tl.exp2(m - m_safe)  # how much the old sums shrink now that the maximum grew
         l = l * correction + tl.sum(p, 1)
+        if QUANTIZED:  # p @ (v_int * v_s) = (p * v_s) @ v_int: each key's scale on its column of probabilities
+            p = p * v_s[None, :]
         acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None])  # rescale, then add p @ V in the same matmul
         return m_new, l, acc
 

@@ -48,8 +48,9 @@ This is exact (the same rescaling the online softmax does between two tiles, don
 result equals the unsplit kernel's up to rounding.
 
 step20: flash_decode reads an int8 cache. Given k_scale and v_scale ([num_blocks, block_size, kv_heads] fp32, one
-scale per token and KV head), the split kernel loads each K/V tile as int8, converts it to fp32, multiplies every
-token's row by its scale and casts to q's dtype, then goes on as before (QUANTIZED, a constexpr: without scales
+scale per token and KV head), the split kernel loads each K/V tile as int8 and converts it to q's dtype (exact: the
+values are -127..127); a token's scale is one number for its whole row, so it multiplies the token's column of
+scores (after q . k) and of probabilities (before p @ v) instead of its head_dim elements, then goes on as before (QUANTIZED, a constexpr: without scales
 it compiles to step17's kernel). The merge kernel never sees K/V and is unchanged. paged_decode_v1 and v2, which
 the engine no longer calls, read only caches in q's dtype.
 """
@@ -351,19 +352,22 @@ if triton is not None:
             v_rows = block.to(tl.int64) * stride_vb + (pos % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
             k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-            if QUANTIZED:  # int8 -> fp32, times each token's scale (0 past the context), -> q's dtype
+            if QUANTIZED:  # int8 rows as q's dtype (exact: -127..127) and each token's two scales (0 past the end)
                 s_rows = block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head * stride_sh
                 k_s = tl.load(k_scale_ptr + s_rows, mask=valid, other=0.0)  # [BLOCK_N] fp32
                 v_s = tl.load(v_scale_ptr + s_rows, mask=valid, other=0.0)
-                k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
-                v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
+                k, v = k.to(q.dtype), v.to(q.dtype)
 
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+            if QUANTIZED:  # q . (k_int * k_s) = (q . k_int) * k_s: a token's scale multiplies its column of scores
+                s = s * k_s[None, :]
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)  # rescales the old state to the new maximum; 0 on the first tile
             p = tl.exp2(s - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
+            if QUANTIZED:  # p @ (v_int * v_s) = (p * v_s) @ v_int: the scale goes on the column of probabilities
+                p = p * v_s[None, :]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
 
