@@ -88,7 +88,7 @@ def single_workload(tokenizer, max_tokens: int = 128):
 WORKLOADS = {"standard": standard_workload, "single": single_workload, "mixed": mixed_workload,
              "shared-prefix": shared_prefix_workload, "nano-vllm": nano_vllm_workload}
 # The engine options `python -m shared.bench` can set (each only for a step whose LLM takes it).
-ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_kv_tokens")
+ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "kv_cache_dtype")
 
 
 def _progress(msg: str) -> None:
@@ -139,7 +139,7 @@ def step_engine_options(step: str) -> set[str]:
 
 def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "standard", max_tokens: int = 128,
               repeat: int | None = None, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-              max_kv_tokens: int | None = None) -> dict:
+              max_kv_tokens: int | None = None, kv_cache_dtype: str | None = None) -> dict:
     """Run the workload `repeat` times (default: 3 on CUDA, 1 on CPU) after a warm-up; report the median run.
     max_num_seqs (the engine's seats), max_num_batched_tokens, max_kv_tokens: engine options (None: the step's
     default); a step whose LLM has no such option refuses it. HF's padded batch always holds every request."""
@@ -148,7 +148,7 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
     import torch
 
     options = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                                 ("max_kv_tokens", max_kv_tokens)) if v is not None}
+                                 ("max_kv_tokens", max_kv_tokens), ("kv_cache_dtype", kv_cache_dtype)) if v is not None}
     unknown = sorted(set(options) - step_engine_options(step))
     if unknown:
         raise ValueError(f"{step}'s LLM has no option {', '.join(unknown)}")
@@ -486,6 +486,8 @@ def main() -> None:
                         help="the engine's token budget per step (default: the step's own)")
     parser.add_argument("--max-kv-tokens", type=int, default=None,
                         help="the engine's KV pool in tokens (default: the step's own; on CUDA, sized from memory)")
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="the KV cache's dtype, for the steps that take it (step20 on): auto or int8")
     args = parser.parse_args()
     options = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    max_kv_tokens=args.max_kv_tokens)
@@ -498,6 +500,10 @@ def main() -> None:
         what = "is an engine option" if len(given) == 1 else "are engine options"
         parser.error(f"{', '.join(given)} {what}: HF's baselines are served with HF's own batching")
     hf_benches = {"generate": run_hf_bench, "cb": run_hf_cb_bench}
+    if args.kv_cache_dtype is not None:
+        if args.hf:
+            parser.error("--kv-cache-dtype is an engine option: HF's baselines keep their own cache")
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     bench = hf_benches[args.hf] if args.hf else functools.partial(run_bench, args.step, **options)
     try:
         result = bench(args.model, args.device, args.dtype, args.workload, args.max_tokens, args.repeat)

@@ -28,7 +28,7 @@ def test_engine_options_are_read_from_each_steps_signature():
 
     assert step_engine_options("step01") == set()
     assert step_engine_options("step05") == {"max_num_seqs"}
-    assert step_engine_options(STEPS[-1]) == {"max_num_seqs", "max_num_batched_tokens", "max_kv_tokens"}
+    assert step_engine_options(STEPS[-1]) == {"max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "kv_cache_dtype"}
 
 
 def test_an_option_the_step_lacks_is_refused_by_name():

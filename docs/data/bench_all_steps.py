@@ -41,7 +41,7 @@ def one(what: list[str], args, part: str, log) -> dict | None:
            "--max-tokens", str(args.max_tokens), "--repeat", str(args.repeat)]
     if what[0] == "--step":
         taken = step_engine_options(what[1])
-        for option in ("max_num_seqs", "max_num_batched_tokens", "max_kv_tokens"):
+        for option in ("max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "kv_cache_dtype"):
             value = getattr(args, option)
             if value is not None and option in taken:
                 cmd += [f"--{option.replace('_', '-')}", str(value)]
@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-kv-tokens", type=lambda v: None if v == "none" else int(v), default=32768,
                    help="the KV pool of every engine, in tokens; none: each step's own (on CUDA: sized from memory)")
+    p.add_argument("--kv-cache-dtype", default=None, help="for the steps that take it (step20 on): auto or int8")
     p.add_argument("--steps", nargs="*", default=None, help="default: every step")
     p.add_argument("--hf", nargs="*", default=["generate", "cb"], help="HF baselines to run first")
     p.add_argument("--hf-last", action="store_true", help="run the HF baselines after the steps run alone")
