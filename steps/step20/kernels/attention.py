@@ -219,6 +219,8 @@ def mixed_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k,
     quantized = check_scales(k_cache, v_cache, k_scale, v_scale)
     group = num_heads // kv_heads
     config = tile_config(max_query_len, group)
+    if quantized and config["block_m"] == 16:  # short rows on int8: key tiles twice as long keep as many bytes in
+        config.update(block_n=128, num_stages=3)  # flight per load as bf16's (docs/data/tune_int8_decode.py)
     for name, value in dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages).items():
         if value is not None:
             config[name] = value
