@@ -337,3 +337,58 @@ def test_int8_engine_on_cuda_follows_auto():
             assert llm.kv_cache.data.dtype == torch.int8
     for a, b in zip(runs["int8"], runs["auto"]):
         compare_completions(a.outputs[0], b.outputs[0], 0.5, exact=False)
+
+
+def write_both(step, k, v, slots, blocks, block_size, fused: bool):
+    """K and V [N, kv_heads, head_dim] written into fresh int8 layers at `slots`: the fused kernel or write_kv."""
+    model = importlib.import_module(f"steps.{step}.model")
+    kv_heads, head_dim = k.shape[1:]
+    caches = [torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=torch.int8, device=k.device) for _ in "kv"]
+    scales = [torch.full((blocks, block_size, kv_heads), -1.0, device=k.device) for _ in "kv"]
+    if fused:
+        importlib.import_module(f"steps.{step}.kernels.fused").quantize_write_kv(k, v, *caches, *scales, slots)
+    else:
+        model.write_kv(caches[0], slots, k, scales[0])
+        model.write_kv(caches[1], slots, v, scales[1])
+    return caches, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_heads,head_dim", [(3, 64), (8, 128)])
+def test_fused_quantize_write_equals_write_kv(kv_heads, head_dim, dtype):
+    """One launch quantises and stores K and V with their scales: the same int8 values (ties rounded to even, as
+    torch.round) and scales as write_kv's torch operators, a zero row included; slots not written keep their bytes."""
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(9, kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    v = (3 * torch.randn(9, kv_heads, head_dim, generator=gen)).to(dtype).to(DEVICE)
+    k[2, 1] = 0  # a zero row: scale 0, int8 0
+    k[3, 0, :4] = torch.tensor([0.5, 1.5, -2.5, 127.0])  # scale 1: three ties
+    slots = torch.randperm(96, generator=gen)[:9].to(DEVICE)
+    got, expected = (write_both(INT8, k, v, slots, 6, 16, fused) for fused in (True, False))
+    for a, b in zip(got[0] + got[1], expected[0] + expected[1]):
+        assert torch.equal(a, b)
+    assert int(got[0][0].view(-1, kv_heads, head_dim)[slots[3], 0, 0]) == 0  # 0.5 -> 0: half to even (half up: 1)
+
+
+def test_int8_engine_writes_with_one_launch_per_layer():
+    """On the fused path an int8 engine's layer writes K and V in one kernel, counted in the layer's fused launches
+    (4 a layer and 1 a forward for step19's groups, 1 more a layer for the write), with the torch path's tokens."""
+    prompts, params = (x[:2] for x in mixed_requests())
+    options = dict(device="cpu", max_num_seqs=4, kv_cache_dtype="int8")
+    expected = load_engine(INT8).LLM("random:tiny-qwen3", attention_backend="torch", **options).generate(prompts, params)
+    llm = load_engine(INT8).LLM("random:tiny-qwen3", attention_backend="triton", **options)
+    got = llm.generate(prompts, params)
+    for a, b in zip(got, expected):
+        compare_completions(a.outputs[0], b.outputs[0], STEP_LOGPROB_ATOL_FP32)
+    layers = llm.model.config.num_layers
+    assert llm.model.ops.launches == llm.stats["forwards"] * (5 * layers + 1) > 0
+
+
+@pytest.mark.gpu
+def test_fused_quantize_write_compiled_bf16():
+    gen = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(300, 8, 128, generator=gen).to(torch.bfloat16).cuda() for _ in "kv")
+    slots = torch.randperm(64 * 16, generator=gen)[:300].cuda()
+    got, expected = (write_both(INT8, k, v, slots, 64, 16, fused) for fused in (True, False))
+    for a, b in zip(got[0] + got[1], expected[0] + expected[1]):
+        assert torch.equal(a, b)

@@ -109,6 +109,11 @@ class TorchLayerOps:
 
     name = "torch"
 
+    def write_kv_int8(self, k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+        """An int8 cache's write: K and V quantised (write_kv's quantize_kv) and stored with their scales."""
+        write_kv(k_cache, slot_mapping, k, k_scale)
+        write_kv(v_cache, slot_mapping, v, v_scale)
+
     def add_rms_norm(self, x, residual, weight, eps):
         """-> (rms_norm(x + residual), x + residual); without a residual, (rms_norm(x), x)."""
         if residual is not None:
@@ -206,8 +211,11 @@ class CausalLM:
         v = qkv[:, (c.num_heads + c.num_kv_heads) * c.head_dim:].view(N, c.num_kv_heads, c.head_dim)
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # views of the one KV tensor
         k_scale, v_scale = self.kv_cache.k_scale[layer], self.kv_cache.v_scale[layer]  # None unless int8
-        write_kv(k_cache, attn.slot_mapping, k, k_scale)  # one scatter for every new token of every sequence
-        write_kv(v_cache, attn.slot_mapping, v, v_scale)
+        if k_scale is None:
+            write_kv(k_cache, attn.slot_mapping, k)  # one scatter for every new token of every sequence
+            write_kv(v_cache, attn.slot_mapping, v)
+        else:  # int8: quantised as they are written, one kernel for K and V on the fused path (kernels/fused.py)
+            self.ops.write_kv_int8(k, v, k_cache, v_cache, k_scale, v_scale, attn.slot_mapping)
         out = self.attention_backend.forward(q, k_cache, v_cache, attn, k_scale, v_scale)  # [N, heads * head_dim]
         return out @ self.w[p + "o_proj.weight"].T  # [N, hidden]
 

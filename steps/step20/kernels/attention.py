@@ -62,18 +62,6 @@ def attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_len
     return out
 
 
-int8_to = None  # the Triton function below, when Triton is installed
-
-if triton is not None:
-    @triton.jit
-    def int8_to(x, dtype: tl.constexpr):
-        """int8 -> dtype, exactly, without the GPU's int-to-float instruction (a quarter of the arithmetic rate, and
-        a decode tile has head_dim of them per key): x + 128 as 0..255 (the sign bit flipped) set into the mantissa
-        of the fp16 1024.0 (bits 0x6400) is 1024 + x + 128 exactly; minus 1152 is x. Integer ops and one subtract."""
-        u = (x.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16)
-        h = (u | 0x6400).to(tl.float16, bitcast=True)
-        return (h.to(tl.float32) - 1152.0).to(dtype)
-
 if triton is not None:
     @triton.jit
     def _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_row_ptr, key_start, ctx, query_pos, qk_scale,
@@ -103,7 +91,7 @@ if triton is not None:
                 k_s = tl.load(k_scale_ptr + scale_slot)
                 v_s = tl.load(v_scale_ptr + scale_slot)
         if QUANTIZED:  # int8 -> q's dtype, exact (-127..127); the scales are applied to scores and probabilities
-            k, v = int8_to(k, q.dtype), int8_to(v, q.dtype)
+            k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [BLOCK_M, BLOCK_N], in log2 units
         if QUANTIZED:  # q . (k_int * k_s) = (q . k_int) * k_s: one multiply per score, not per key element
             s = s * k_s[None, :]

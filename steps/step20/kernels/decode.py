@@ -66,7 +66,7 @@ try:
 except ImportError:  # no Triton: the reference still works
     triton = None
 
-from .attention import check_scales, int8_to  # step20: an int8 cache's scales, checked as mixed_attention checks them
+from .attention import check_scales  # step20: an int8 cache's scales, checked as mixed_attention checks them
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 
@@ -356,7 +356,7 @@ if triton is not None:
                 s_rows = block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head * stride_sh
                 k_s = tl.load(k_scale_ptr + s_rows, mask=valid, other=0.0)  # [BLOCK_N] fp32
                 v_s = tl.load(v_scale_ptr + s_rows, mask=valid, other=0.0)
-                k, v = int8_to(k, q.dtype), int8_to(v, q.dtype)
+                k, v = k.to(q.dtype), v.to(q.dtype)
 
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
             if QUANTIZED:  # q . (k_int * k_s) = (q . k_int) * k_s: a token's scale multiplies its column of scores

@@ -9,6 +9,9 @@ registers, write the outputs once.
 
     add_rms_norm   residual add + RMSNorm: x + residual -> the new residual and its normalised copy, one pass
     silu_mul       SiLU(gate) * up over the [N, 2 * intermediate] output of the gate/up matmul
+    quantize_write_kv  step20: an int8 cache's write, K and V of every new token quantised (a scale per token and KV
+                   head) and stored at their slots with their scales, one launch for both (model.py's write_kv is the
+                   torch path: about ten operators for each of K and V)
     qk_norm_rope   Qwen3's per-head RMSNorm of q and k (Llama has none), then RoPE, on the q and k heads of the qkv
                    matmul's output viewed as [N, heads + kv_heads, head_dim]: one program per token, every head
 
@@ -95,6 +98,33 @@ if triton is not None:
         tl.store(dst, out1, mask=ok)
         tl.store(dst + HEAD_DIM // 2, out2, mask=ok)
 
+    @triton.jit
+    def _quantize_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
+                               stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch, stride_ss,
+                               KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Program (token, 0 for K or 1 for V): the token's kv_heads rows, each quantised by its own absmax
+        (scale = max|x| / 127, q = round-half-even(x / scale), as torch.round), stored at the token's slot."""
+        token = tl.program_id(0).to(tl.int64)
+        is_v = tl.program_id(1)
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        ok = heads < KV_HEADS
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        src = tl.where(is_v == 1, v_ptr + token * stride_vt + heads * stride_vh,
+                       k_ptr + token * stride_kt + heads * stride_kh)
+        x = tl.load(src + dims, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_H, HEAD_DIM]
+        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)  # [BLOCK_H]
+        y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])  # a zero row: 0 / 1 = 0
+        f = tl.floor(y)
+        odd = f - 2.0 * tl.floor(f * 0.5)  # 1.0 where f is odd: a tie (d == 0.5) goes to the even neighbour
+        d = y - f
+        q = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + odd))
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+        dst = tl.where(is_v == 1, vc_ptr, kc_ptr) + slot * stride_cs + heads * stride_ch + dims
+        tl.store(dst, q, mask=ok)
+        scales = tl.where(is_v == 1, vs_ptr, ks_ptr) + slot * stride_ss + tl.arange(0, BLOCK_H)
+        tl.store(scales, scale, mask=tl.arange(0, BLOCK_H) < KV_HEADS)
+
 
 def _need_triton(name: str):
     if triton is None:
@@ -155,6 +185,24 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weig
     return out[:, :num_heads], out[:, num_heads:]
 
 
+def quantize_write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+    """k, v [N, kv_heads, head_dim] -> quantised into the int8 cache layers k_cache, v_cache [num_blocks, block_size,
+    kv_heads, head_dim] at slot_mapping [N], their scales into k_scale, v_scale [num_blocks, block_size, kv_heads]:
+    model.py's write_kv(cache, slots, new, scale) for K and for V, in one launch."""
+    _need_triton("quantize_write_kv")
+    n, kv_heads, head_dim = k.shape
+    if v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1 or k_cache.dtype != torch.int8:
+        raise ValueError(f"quantize_write_kv: k {tuple(k.shape)}, v {tuple(v.shape)} must match, contiguous in "
+                         f"head_dim, into int8 caches (got {k_cache.dtype})")
+    if k_cache.stride() != v_cache.stride() or k_scale.stride() != v_scale.stride() or k_cache.stride(3) != 1:
+        raise ValueError("quantize_write_kv: K and V caches (and their scales) must share strides")
+    if n:
+        _quantize_write_kernel[(n, 2)](
+            k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), k_cache.stride(1), k_cache.stride(2), k_scale.stride(1),
+            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads), num_warps=4)
+
+
 class TritonLayerOps:
     """The model's elementwise groups as the kernels above, one launch each; `launches` counts them."""
 
@@ -174,3 +222,7 @@ class TritonLayerOps:
     def qk_norm_rope(self, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim):
         self.launches += 1
         return qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
+
+    def write_kv_int8(self, k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+        self.launches += 1
+        quantize_write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
