@@ -386,9 +386,15 @@ def test_int8_engine_writes_with_one_launch_per_layer():
 
 @pytest.mark.gpu
 def test_fused_quantize_write_compiled_bf16():
+    """Compiled, the kernel divides as IEEE does (div_rn); torch on CUDA divides a tensor by a Python number as a
+    multiply by its reciprocal, so its scales may be an ulp away and a value at a rounding tie one step away. Within
+    that: scales to 1e-6 relative, int8 values within 1, at most 1 in 1,000 of them off."""
     gen = torch.Generator().manual_seed(1)
     k, v = (torch.randn(300, 8, 128, generator=gen).to(torch.bfloat16).cuda() for _ in "kv")
     slots = torch.randperm(64 * 16, generator=gen)[:300].cuda()
-    got, expected = (write_both(INT8, k, v, slots, 64, 16, fused) for fused in (True, False))
-    for a, b in zip(got[0] + got[1], expected[0] + expected[1]):
-        assert torch.equal(a, b)
+    (got_q, got_s), (want_q, want_s) = (write_both(INT8, k, v, slots, 64, 16, fused) for fused in (True, False))
+    for a, b in zip(got_s, want_s):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    for a, b in zip(got_q, want_q):
+        off = (a.int() - b.int()).abs()
+        assert int(off.max()) <= 1 and int((off > 0).sum()) <= a.numel() // 1000
