@@ -223,8 +223,8 @@ MUTATIONS = [
     Mutation(
         "step20-int8-keys-unscaled", "step20's mixed kernel reads int8 keys without multiplying by their scales",
         "steps/step20/kernels/attention.py",
-        "k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)",
-        "k = k.to(q.dtype)",
+        "            s = s * k_s[None, :]",
+        "            s = s * 1.0",
         ("tests/test_part6_int8.py::test_mixed_kernel_int8_equals_dequantised_reference",)),
 ]
 
