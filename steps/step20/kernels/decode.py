@@ -50,9 +50,9 @@ result equals the unsplit kernel's up to rounding.
 step20: flash_decode reads an int8 cache. Given k_scale and v_scale ([num_blocks, block_size, kv_heads] fp32, one
 scale per token and KV head), the split kernel loads each K/V tile as int8 and converts it to q's dtype (exact: the
 values are -127..127); a token's scale is one number for its whole row, so it multiplies the token's column of
-scores (after q . k) and of probabilities (before p @ v) instead of its head_dim elements, then goes on as before (QUANTIZED, a constexpr: without scales
-it compiles to step17's kernel). The merge kernel never sees K/V and is unchanged. paged_decode_v1 and v2, which
-the engine no longer calls, read only caches in q's dtype.
+scores (after q . k) and of probabilities (before p @ v) instead of its head_dim elements, then goes on as before
+(QUANTIZED, a constexpr: without scales it compiles to step17's kernel). The merge kernel never sees K/V and is
+unchanged. paged_decode_v1 and v2, which the engine no longer calls, read only caches in q's dtype.
 """
 from __future__ import annotations
 
