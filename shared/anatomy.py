@@ -370,3 +370,39 @@ def gpu_kernels(fn, device) -> int | None:
         fn()
         torch.cuda.synchronize(device)
     return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+
+
+def decode_forward_inputs(engine) -> tuple:
+    """The inputs of one decode forward of two requests: the last forward of a short greedy run on `engine`."""
+    from shared.params import SamplingParams
+
+    forward, seen = engine.model.forward, []
+    engine.model.forward = lambda *a: (seen.append(a), forward(*a))[1]
+    try:
+        engine.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    finally:
+        engine.model.forward = forward
+    return seen[-1]
+
+
+def forward_launches(engine, inputs: tuple, layers: int | None = None) -> LaunchCounter:
+    """The launches of one forward on `inputs`, run with its first `layers` layers (default: all), counted."""
+    config = engine.model.config
+    all_layers = config.num_layers
+    config.num_layers = all_layers if layers is None else layers
+    try:
+        with LaunchCounter() as counter:
+            engine.model.forward(*inputs)
+    finally:
+        config.num_layers = all_layers
+    return counter
+
+
+def layer_launches(engine, inputs: tuple) -> tuple[LaunchCounter, LaunchCounter]:
+    """-> (the forward's launches, one layer's): one layer's count is the forward's minus the same forward run with
+    one layer fewer, the forward's own work (embedding, RoPE tables, lm_head) cancelling out."""
+    full = forward_launches(engine, inputs)
+    fewer = forward_launches(engine, inputs, engine.model.config.num_layers - 1)
+    layer = LaunchCounter()
+    layer.ops, layer.triton, layer.by_op = full.ops - fewer.ops, full.triton - fewer.triton, full.by_op - fewer.by_op
+    return full, layer

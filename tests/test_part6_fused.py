@@ -7,7 +7,7 @@ every forward, counted; a layer launches 11 kernels where step18's launched 33 (
 import pytest
 import torch
 
-from shared.anatomy import LaunchCounter
+from shared.anatomy import LaunchCounter, decode_forward_inputs, layer_launches
 from helpers import compare_completions, STEP_LOGPROB_ATOL_FP32, load_engine
 from registry import introducing, last_before, lesson_and_copies
 from test_part6 import DEVICE, kernels, mixed_requests
@@ -109,30 +109,11 @@ def test_fused_engine_equals_step18(model, budget):
 
 
 def launches_per_layer(llm) -> LaunchCounter:
-    """What one layer of a decode forward launches: the same forward (the last of a short greedy run) counted with
-    all its layers and with one fewer; the difference is one layer's kernels, the forward's own work cancelling out."""
-    from shared import SamplingParams
-
-    forward, seen = llm.model.forward, []
-    llm.model.forward = lambda *args: (seen.append(args), forward(*args))[1]
-    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    llm.model.forward = forward
-    config, counts = llm.model.config, []
-    assert seen[-1][0].shape[0] == 2  # the last forward was a step of two decodes
-    layers = config.num_layers
-    try:
-        for n in (layers, layers - 1):
-            config.num_layers = n
-            with LaunchCounter() as counter:
-                forward(*seen[-1])
-            counts.append(counter)
-    finally:
-        config.num_layers = layers
-    full, fewer = counts
-    per_layer = LaunchCounter()
-    per_layer.ops, per_layer.triton = full.ops - fewer.ops, full.triton - fewer.triton
-    per_layer.by_op = full.by_op - fewer.by_op
-    return per_layer
+    """What one layer of a decode forward of two requests launches (shared/anatomy.py's layer_launches: the forward
+    counted with all its layers and with one fewer)."""
+    inputs = decode_forward_inputs(llm)
+    assert inputs[0].shape[0] == 2  # the last forward was a step of two decodes
+    return layer_launches(llm, inputs)[1]
 
 
 @pytest.mark.parametrize("model,qk_norm", [("random:tiny-llama", False), ("random:tiny-qwen3", True)])

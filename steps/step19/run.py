@@ -15,8 +15,9 @@ import time
 import torch
 
 from shared import SamplingParams
-from shared.anatomy import (LaunchCounter, before_after, copy_gb_per_s, demo_options, gpu_kernels,
-                            interpreter_off_cuda, kernel_arg_parser, kernel_ms, kernels_cannot_run, step_module)
+from shared.anatomy import (before_after, copy_gb_per_s, decode_forward_inputs, demo_options, gpu_kernels,
+                            interpreter_off_cuda, kernel_arg_parser, kernel_ms, kernels_cannot_run, layer_launches,
+                            step_module)
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -94,29 +95,6 @@ def show_fused_kernels(llm) -> None:
     print(format_table(["kernel", "input", "max |difference|"], [[a, b, f"{d:.1e}"] for a, b, d in rows]))
 
 
-def decode_forward_args(engine):
-    """The inputs of one decode forward of two requests: the last forward of a short greedy run."""
-    forward, seen = engine.model.forward, []
-    engine.model.forward = lambda *a: (seen.append(a), forward(*a))[1]
-    try:
-        engine.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    finally:
-        engine.model.forward = forward
-    return seen[-1]
-
-
-def count_launches(engine, args, layers: int):
-    """(torch operators, Triton launches) of the forward on `args` run with its first `layers` layers."""
-    config, all_layers = engine.model.config, engine.model.config.num_layers
-    config.num_layers = layers
-    try:
-        with LaunchCounter() as counter:
-            engine.model.forward(*args)
-    finally:
-        config.num_layers = all_layers
-    return counter
-
-
 def show_launches(llm) -> None:
     """Kernels launched by one decode forward and by one of its layers, step18 and step19 on the same inputs: torch
     operators and Triton launches counted on any device (shared/anatomy.py's LaunchCounter); on a GPU also the kernels
@@ -130,9 +108,9 @@ def show_launches(llm) -> None:
     for step in ("step18", "step19"):
         engine = step_module(step, "engine").LLM(model, device=llm.device, dtype=llm.dtype if on_gpu else None,
                                                  attention_backend="triton", max_num_seqs=4, max_kv_tokens=4096)
-        args, layers = decode_forward_args(engine), engine.model.config.num_layers
-        full, fewer = count_launches(engine, args, layers), count_launches(engine, args, layers - 1)
-        row = [step, full.ops, full.triton, full.launches, full.launches - fewer.launches]
+        args, layers = decode_forward_inputs(engine), engine.model.config.num_layers
+        full, layer = layer_launches(engine, args)
+        row = [step, full.ops, full.triton, full.launches, layer.launches]
         if on_gpu:
             row.append(gpu_kernels(lambda: engine.model.forward(*args), llm.device))
         rows.append(row)
