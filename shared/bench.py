@@ -88,7 +88,7 @@ def single_workload(tokenizer, max_tokens: int = 128):
 WORKLOADS = {"standard": standard_workload, "single": single_workload, "mixed": mixed_workload,
              "shared-prefix": shared_prefix_workload, "nano-vllm": nano_vllm_workload}
 # The engine options `python -m shared.bench` can set (each only for a step whose LLM takes it).
-ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "kv_cache_dtype")
+ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "kv_cache_dtype", "enforce_eager")
 
 
 def _progress(msg: str) -> None:
@@ -139,7 +139,8 @@ def step_engine_options(step: str) -> set[str]:
 
 def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "standard", max_tokens: int = 128,
               repeat: int | None = None, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-              max_kv_tokens: int | None = None, kv_cache_dtype: str | None = None) -> dict:
+              max_kv_tokens: int | None = None, kv_cache_dtype: str | None = None,
+              enforce_eager: bool | None = None) -> dict:
     """Run the workload `repeat` times (default: 3 on CUDA, 1 on CPU) after a warm-up; report the median run.
     max_num_seqs (the engine's seats), max_num_batched_tokens, max_kv_tokens: engine options (None: the step's
     default); a step whose LLM has no such option refuses it. HF's padded batch always holds every request."""
@@ -148,7 +149,8 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
     import torch
 
     options = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                                 ("max_kv_tokens", max_kv_tokens), ("kv_cache_dtype", kv_cache_dtype)) if v is not None}
+                                 ("max_kv_tokens", max_kv_tokens), ("kv_cache_dtype", kv_cache_dtype),
+                                 ("enforce_eager", enforce_eager)) if v is not None}
     unknown = sorted(set(options) - step_engine_options(step))
     if unknown:
         raise ValueError(f"{step}'s LLM has no option {', '.join(unknown)}")
@@ -488,6 +490,8 @@ def main() -> None:
                         help="the engine's KV pool in tokens (default: the step's own; on CUDA, sized from memory)")
     parser.add_argument("--kv-cache-dtype", default=None,
                         help="the KV cache's dtype, for the steps that take it (step20 on): auto or int8")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs, for the steps that capture them (step21 on)")
     args = parser.parse_args()
     options = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    max_kv_tokens=args.max_kv_tokens)
@@ -504,6 +508,10 @@ def main() -> None:
         if args.hf:
             parser.error("--kv-cache-dtype is an engine option: HF's baselines keep their own cache")
         options["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.enforce_eager:
+        if args.hf:
+            parser.error("--enforce-eager is an engine option: HF's baselines run their own way")
+        options["enforce_eager"] = True
     bench = hf_benches[args.hf] if args.hf else functools.partial(run_bench, args.step, **options)
     try:
         result = bench(args.model, args.device, args.dtype, args.workload, args.max_tokens, args.repeat)

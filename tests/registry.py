@@ -36,6 +36,7 @@ The features (the step that brings each one in is where its lesson is tested in 
     mixed_batch_kernel  kernels/attention.py: one attention launch per layer for decodes and chunks, no phases
     fused_kernels       kernels/fused.py: residual add + RMSNorm, SiLU * up, q/k norm + RoPE (Triton)
     int8_kv             kv_cache_dtype="int8": K/V stored as int8 with a scale per token and KV head
+    cuda_graphs         cuda_graphs.py: the decode forward captured per batch bucket and replayed; enforce_eager
 """
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ step("step17", 6, adds=("flash_decoding",))
 step("step18", 6, adds=("mixed_batch_kernel",), removes=("triton_prefill",))
 step("step19", 6, adds=("fused_kernels",))
 step("step20", 6, adds=("int8_kv",))
+step("step21", 7, adds=("cuda_graphs",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}

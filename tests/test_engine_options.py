@@ -17,6 +17,7 @@ BAD = {
     "block_size": (0, r"block_size must be an integer in \[1, max_kv_tokens=\d+\], got 0"),
     "enable_prefix_caching": ("yes", "enable_prefix_caching must be True or False, got 'yes'"),
     "kv_cache_dtype": ("fp8", "kv_cache_dtype must be one of 'auto', 'int8', got 'fp8'"),  # int8_kv (step20 on)
+    "enforce_eager": (1, "enforce_eager must be True or False, got 1"),  # cuda_graphs (step21 on)
 }
 
 
