@@ -226,6 +226,12 @@ MUTATIONS = [
         "            s = s * k_s[None, :]",
         "            s = s * 1.0",
         ("tests/test_part6_int8.py::test_mixed_kernel_int8_equals_dequantised_reference",)),
+    Mutation(
+        "step21-padding-writes-block-0", "step21's padding rows write their K/V to block 0, not the scratch block",
+        "steps/step21/cuda_graphs.py",
+        "                                                  slots + [scratch_block * block_size] * pad])",
+        "                                                  slots + [0] * pad])",
+        ("tests/test_part7_graphs.py::test_padding_rows_write_only_the_scratch_block",)),
 ]
 
 

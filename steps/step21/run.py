@@ -42,13 +42,17 @@ def main() -> None:
         print_header("step21: CUDA graphs", llm)
         print_graphs(llm)
         answer_question(llm, args)
-        if llm.cuda_graphs["enabled"]:
-            show_one_forward(llm)
-            show_batch1_latency(llm, args)
-            show_large_workload(args)
-        else:
-            show_buckets(llm)
-        before_after("step20", "step21", llm, args, attention_backend=llm.model.attention_backend.name)
+        show_lesson(llm, args)
+
+
+def show_lesson(llm, args) -> None:
+    if llm.cuda_graphs["enabled"]:
+        show_one_forward(llm)
+        show_batch1_latency(llm, args)
+        show_large_workload(args)
+    else:
+        show_buckets(llm)
+    before_after("step20", "step21", llm, args, attention_backend=llm.model.attention_backend.name)
 
 
 def print_graphs(llm) -> None:
