@@ -28,7 +28,10 @@ def test_engine_options_are_read_from_each_steps_signature():
 
     assert step_engine_options("step01") == set()
     assert step_engine_options("step05") == {"max_num_seqs"}
-    assert step_engine_options(STEPS[-1]) == {"max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "kv_cache_dtype"}
+    part6 = {"max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "kv_cache_dtype"}
+    assert step_engine_options("step20") == part6
+    assert step_engine_options("step21") == part6 | {"enforce_eager"}
+    assert part6 | {"enforce_eager"} <= step_engine_options(STEPS[-1])
 
 
 def test_an_option_the_step_lacks_is_refused_by_name():
