@@ -88,7 +88,8 @@ def single_workload(tokenizer, max_tokens: int = 128):
 WORKLOADS = {"standard": standard_workload, "single": single_workload, "mixed": mixed_workload,
              "shared-prefix": shared_prefix_workload, "nano-vllm": nano_vllm_workload}
 # The engine options `python -m shared.bench` can set (each only for a step whose LLM takes it).
-ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "kv_cache_dtype", "enforce_eager")
+ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "kv_cache_dtype", "enforce_eager",
+                  "tensor_parallel_size")
 
 
 def _progress(msg: str) -> None:
@@ -140,7 +141,7 @@ def step_engine_options(step: str) -> set[str]:
 def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "standard", max_tokens: int = 128,
               repeat: int | None = None, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
               max_kv_tokens: int | None = None, kv_cache_dtype: str | None = None,
-              enforce_eager: bool | None = None) -> dict:
+              enforce_eager: bool | None = None, tensor_parallel_size: int | None = None) -> dict:
     """Run the workload `repeat` times (default: 3 on CUDA, 1 on CPU) after a warm-up; report the median run.
     max_num_seqs (the engine's seats), max_num_batched_tokens, max_kv_tokens: engine options (None: the step's
     default); a step whose LLM has no such option refuses it. HF's padded batch always holds every request."""
@@ -150,7 +151,8 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
 
     options = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                                  ("max_kv_tokens", max_kv_tokens), ("kv_cache_dtype", kv_cache_dtype),
-                                 ("enforce_eager", enforce_eager)) if v is not None}
+                                 ("enforce_eager", enforce_eager), ("tensor_parallel_size", tensor_parallel_size))
+               if v is not None}
     unknown = sorted(set(options) - step_engine_options(step))
     if unknown:
         raise ValueError(f"{step}'s LLM has no option {', '.join(unknown)}")
@@ -177,6 +179,8 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
         _progress(f"{step}: run {len(runs)}/{repeat}: {generated} tokens in {wall:.1f} s = {generated / wall:.1f} tokens/s")
     tokens_per_s, wall, ttft = sorted(runs)[len(runs) // 2]  # the median run by throughput
     peak_mb, peak_kind = _peak_memory(llm.device)
+    if hasattr(llm, "shutdown"):  # step22 on: a tensor-parallel engine stops its workers
+        llm.shutdown()
     result = dict(
         step=step, model=model, device=str(llm.device), dtype=str(llm.dtype).replace("torch.", ""),
         backend=llm.backend, workload=workload, requests=len(prompts), generated_tokens=generated,
@@ -492,9 +496,11 @@ def main() -> None:
                         help="the KV cache's dtype, for the steps that take it (step20 on): auto or int8")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs, for the steps that capture them (step21 on)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help="ranks the model is split over, for the steps that split it (step22 on)")
     args = parser.parse_args()
     options = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   max_kv_tokens=args.max_kv_tokens)
+                   max_kv_tokens=args.max_kv_tokens, tensor_parallel_size=args.tensor_parallel_size)
     for flag, value in (("--max-tokens", args.max_tokens), ("--repeat", args.repeat),
                         *((f"--{k.replace('_', '-')}", v) for k, v in options.items())):
         if value is not None and value < 1:

@@ -232,6 +232,12 @@ MUTATIONS = [
         "                                                  slots + [scratch_block * block_size] * pad])",
         "                                                  slots + [0] * pad])",
         ("tests/test_part7_graphs.py::test_padding_rows_write_only_the_scratch_block",)),
+    Mutation(
+        "step22-down-proj-not-reduced", "step22's row-parallel down_proj returns its rank's partial sum, not all-reduced",
+        "steps/step22/model.py",
+        "        return self.tp.all_reduce(down)  # row-parallel, like o_proj: one all-reduce",
+        "        return down  # row-parallel, like o_proj: one all-reduce",
+        ("tests/test_part7_tp.py::test_tp2_equals_tp1_with_preemption_and_prefix_caching[random:tiny-llama]",)),
 ]
 
 

@@ -103,6 +103,7 @@ step("step18", 6, adds=("mixed_batch_kernel",), removes=("triton_prefill",))
 step("step19", 6, adds=("fused_kernels",))
 step("step20", 6, adds=("int8_kv",))
 step("step21", 7, adds=("cuda_graphs",))
+step("step22", 7, adds=("tensor_parallel",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}

@@ -31,7 +31,8 @@ def test_engine_options_are_read_from_each_steps_signature():
     part6 = {"max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "kv_cache_dtype"}
     assert step_engine_options("step20") == part6
     assert step_engine_options("step21") == part6 | {"enforce_eager"}
-    assert part6 | {"enforce_eager"} <= step_engine_options(STEPS[-1])
+    assert step_engine_options("step22") == part6 | {"enforce_eager", "tensor_parallel_size"}
+    assert part6 | {"enforce_eager", "tensor_parallel_size"} <= step_engine_options(STEPS[-1])
 
 
 def test_an_option_the_step_lacks_is_refused_by_name():

@@ -18,6 +18,7 @@ BAD = {
     "enable_prefix_caching": ("yes", "enable_prefix_caching must be True or False, got 'yes'"),
     "kv_cache_dtype": ("fp8", "kv_cache_dtype must be one of 'auto', 'int8', got 'fp8'"),  # int8_kv (step20 on)
     "enforce_eager": (1, "enforce_eager must be True or False, got 1"),  # cuda_graphs (step21 on)
+    "tensor_parallel_size": (0, "tensor_parallel_size must be a positive int, got 0"),  # tensor_parallel (step22 on)
 }
 
 

@@ -1,0 +1,276 @@
+"""step22: tensor parallelism. The model is split over N ranks (this process and N - 1 spawned workers) joined by
+torch.distributed, gloo on the CPU: every test here runs in CI.
+
+- The loader: each rank's shards of every weight reassemble to the checkpoint's tensors.
+- The engine: tp=2 on both tiny families and tp=3 on the real model give tp=1's tokens, with logprobs within
+  TP_LOGPROB_ATOL_FP32 (helpers.py says why), while preemption and prefix caching happen (their counters).
+- The collectives happened: two all-reduces per layer and one for the embedding in every forward, of the bytes
+  they should have.
+- Sizes that do not split the heads are refused before any process starts; a killed worker is an error, not a
+  hang; no worker is left after shutdown(), after the engine is collected, or after its process ends.
+On the GPU (marked gpu): tp=1 equals step21, and tp=2 on one GPU is refused by name.
+"""
+import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import TP_LOGPROB_ATOL_FP32, compare_completions, load_engine, step_module
+from registry import introducing, last_before
+from shared import SamplingParams, resolve_model
+
+TP = introducing("tensor_parallel")
+BEFORE = last_before("tensor_parallel")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parallel():
+    return step_module(TP, "parallel")
+
+
+def child_processes() -> set[int]:
+    """The live children of this process, read from /proc, leaving out multiprocessing's resource tracker (a helper
+    the spawn method starts once per process, shared by everything that spawns; not an engine's worker)."""
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    children = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if fields[1] == str(os.getpid()) and fields[0] != "Z":
+                children.add(int(entry.name))
+    return children - {tracker}
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# ---- the loader -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model,size", [("random:tiny-llama", 2), ("random:tiny-qwen3", 2), ("smollm2-135m", 3)])
+def test_sharded_weights_reassemble_to_the_full_tensors(model, size):
+    from safetensors.torch import load_file
+
+    p = parallel()
+    model_dir = resolve_model(model)
+    files = sorted(model_dir.glob("*.safetensors"))
+    full = {}
+    for f in files:
+        full.update(load_file(f))
+    shards = [p.load_shard(files, rank, size, torch.device("cpu"), torch.float32) for rank in range(size)]
+    config = step_module(TP, "model").ModelConfig.from_json(model_dir / "config.json")
+    for name, tensor in full.items():
+        parts = [s[name] for s in shards]
+        cut = p.shard(name, tensor.shape, 0, size)
+        if cut is None:  # norms: every rank holds all of it
+            assert all(torch.equal(part, tensor.float()) for part in parts), name
+            continue
+        whole = torch.cat(parts, dim=cut[0])
+        if "embed_tokens" in name or name.startswith("lm_head"):  # padded to ceil(vocab / N) rows per rank
+            assert whole.shape[0] == size * p.vocab_rows(config.vocab_size, size)
+            assert not whole[tensor.shape[0]:].any()
+            whole = whole[:tensor.shape[0]]
+        assert torch.equal(whole, tensor.float()), name
+        assert all(part.shape[cut[0]] * size >= tensor.shape[cut[0]] for part in parts)
+    # each rank's model: its share of the heads, KV heads and MLP, in the fused matrices the forward reads
+    local = step_module(TP, "model").rank_config(config, size)
+    q_rows = (local.num_heads + 2 * local.num_kv_heads) * local.head_dim
+    layer = "model.layers.0."
+    assert (local.num_heads, local.num_kv_heads) == (config.num_heads // size, config.num_kv_heads // size)
+    rank1 = step_module(TP, "model").fuse_projections(shards[1], local)
+    assert rank1[layer + "self_attn.qkv_proj.weight"].shape == (q_rows, config.hidden_size)
+    assert rank1[layer + "mlp.gate_up_proj.weight"].shape == (2 * config.intermediate_size // size, config.hidden_size)
+    assert rank1[layer + "mlp.down_proj.weight"].shape == (config.hidden_size, config.intermediate_size // size)
+
+
+# ---- the engine: tp > 1 equals tp = 1 -------------------------------------------------------------------
+def shared_prefix_prompts(vocab_size: int, num: int = 6) -> list[list[int]]:
+    """Prompts that share a 32-token prefix (two blocks of 16: prefix cache hits), each with its own tail."""
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(0, vocab_size, (32,), generator=g).tolist()
+    return [prefix + torch.randint(0, vocab_size, (5 + 3 * i,), generator=g).tolist() for i in range(num)]
+
+
+def generate_both(model, size, prompts, params, **options):
+    """The same requests through tp=1 and tp=size of step22 -> (outputs, outputs, the tp engine's counters)."""
+    LLM = load_engine(TP).LLM
+    ref = LLM(model, device="cpu", dtype="float32", **options).generate(prompts, params)
+    llm = LLM(model, device="cpu", dtype="float32", tensor_parallel_size=size, **options)
+    try:
+        assert llm.tp.size == size and len(llm.workers.pids) == size - 1
+        assert f"tensor parallel: {size} ranks (gloo)" in llm.backend
+        out = llm.generate(prompts, params)
+        counters = dict(preemptions=llm.scheduler.num_preemptions, hits=llm.block_manager.stats["hits"],
+                        forwards=llm.stats["forwards"], all_reduces=llm.tp.all_reduces,
+                        bytes_all_reduced=llm.tp.bytes_all_reduced, bytes_gathered=llm.tp.bytes_gathered,
+                        layers=llm.model.config.num_layers, hidden=llm.model.config.hidden_size,
+                        heads=llm.model.config.num_heads, kv_heads=llm.model.config.num_kv_heads,
+                        cache_heads=llm.kv_cache.data.shape[4])
+    finally:
+        llm.shutdown()
+    return ref, out, counters
+
+
+@pytest.mark.parametrize("model", ["random:tiny-llama", "random:tiny-qwen3"])
+def test_tp2_equals_tp1_with_preemption_and_prefix_caching(model):
+    vocab = 49152
+    prompts = shared_prefix_prompts(vocab)
+    params = [SamplingParams(temperature=0, max_tokens=20 + i, ignore_eos=True, logprobs=2) for i in range(6)]
+    # 128 KV tokens for six requests of ~60: the scheduler must preempt; the shared prefix is found in the cache
+    ref, out, n = generate_both(model, 2, prompts, params, max_kv_tokens=128, max_num_seqs=4,
+                                max_num_batched_tokens=64)
+    assert n["preemptions"] > 0 and n["hits"] > 0, n
+    assert n["kv_heads"] == n["cache_heads"] == 1 and n["heads"] == 2  # each rank: half of 4 heads, of 2 KV heads
+    for i, (a, b) in enumerate(zip(out, ref)):
+        compare_completions(a.outputs[0], b.outputs[0], TP_LOGPROB_ATOL_FP32, label=f"tp=2 prompt {i}")
+    # every forward: the embedding's all-reduce, then o_proj's and down_proj's in every layer
+    assert n["all_reduces"] == n["forwards"] * (2 * n["layers"] + 1)
+
+
+def test_the_bytes_all_reduced_are_a_hidden_state_per_token_per_all_reduce():
+    """No prefix caching, no preemption: each prompt token and each generated token but the last is computed once,
+    and every all-reduce carries its rows' hidden states (fp32); rank 0 receives the other rank's vocab half."""
+    prompts = shared_prefix_prompts(49152, num=3)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    ref, out, n = generate_both("random:tiny-llama", 2, prompts, params, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    tokens = sum(map(len, prompts)) + 3 * (9 - 1)
+    assert n["preemptions"] == 0
+    assert n["bytes_all_reduced"] == tokens * (2 * n["layers"] + 1) * n["hidden"] * 4
+    sampled_rows = 3 * 9  # one row of logits per token sampled; rank 0 gets the other rank's 49152 / 2 columns
+    assert n["bytes_gathered"] == sampled_rows * (49152 // 2) * 4
+
+
+@pytest.mark.slow
+def test_tp3_on_the_real_model_equals_tp1():
+    """SmolLM2-135M: 9 heads and 3 KV heads, so three ranks of 3 heads and one KV head each."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Tensor parallelism splits"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    ref, out, n = generate_both("smollm2-135m", 3, prompts, params)
+    assert n["heads"] == 3 and n["kv_heads"] == 1
+    for i, (a, b) in enumerate(zip(out, ref)):
+        compare_completions(a.outputs[0], b.outputs[0], TP_LOGPROB_ATOL_FP32, label=f"tp=3 prompt {i}")
+    assert n["all_reduces"] == n["forwards"] * (2 * 30 + 1)
+
+
+# ---- bad sizes, dead workers, no worker left ---------------------------------------------------------------
+def test_sizes_that_do_not_split_the_heads_are_refused_before_any_worker_starts():
+    LLM = load_engine(TP).LLM
+    before = child_processes()
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 .*9 heads and 3 KV heads"):
+        LLM("smollm2-135m", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 .*4 heads and 2 KV heads"):
+        LLM("random:tiny-llama", device="cpu", tensor_parallel_size=3)
+    for bad in (0, -1, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
+            LLM("random:tiny-llama", device="cpu", tensor_parallel_size=bad)
+    assert child_processes() == before
+
+
+def test_a_killed_worker_is_an_error_on_rank_0_not_a_hang():
+    LLM, p = load_engine(TP).LLM, parallel()
+    llm = LLM("random:tiny-llama", device="cpu", max_kv_tokens=4096, tensor_parallel_size=2)
+    try:
+        assert llm.generate(["hello"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+        os.kill(llm.workers.pids[0], signal.SIGKILL)  # between steps
+        llm.workers.processes[0].join(10)
+        with pytest.raises(p.WorkerError, match=r"worker 1 \(pid \d+\) died with exit code -9"):
+            llm.generate(["hello"], SamplingParams(max_tokens=3))
+        assert not llm.has_unfinished_requests()  # the failed step's requests are dropped, not left queued
+        with pytest.raises(p.WorkerError, match="shutdown"):  # and the engine stays stopped, saying what to do
+            llm.generate(["hello"], SamplingParams(max_tokens=3))
+    finally:
+        llm.shutdown()
+    assert child_processes() == set()
+    # killed in the middle of a step's collectives: the all-reduce's peer is gone
+    llm = LLM("random:tiny-llama", device="cpu", max_kv_tokens=16384, tensor_parallel_size=2)
+    try:
+        killer = threading.Timer(1.0, os.kill, (llm.workers.pids[0], signal.SIGKILL))
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(p.WorkerError, match="worker 1"):
+            llm.generate(["hello"] * 8, SamplingParams(max_tokens=1500, ignore_eos=True))
+        assert time.monotonic() - start < p.TIMEOUT_S  # an error, well before the collectives' timeout
+        killer.join()
+    finally:
+        llm.shutdown()
+    assert child_processes() == set()
+
+
+def test_no_worker_is_left_after_shutdown_or_when_the_engine_is_collected():
+    LLM = load_engine(TP).LLM
+    llm = LLM("random:tiny-llama", device="cpu", max_kv_tokens=1024, tensor_parallel_size=2)
+    pids = llm.workers.pids
+    assert child_processes() == set(pids)
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    assert child_processes() == set() and not any(map(alive, pids))
+    llm = LLM("random:tiny-llama", device="cpu", max_kv_tokens=1024, tensor_parallel_size=2)  # the group is free again
+    pids = llm.workers.pids
+    del llm
+    gc.collect()
+    assert child_processes() == set() and not any(map(alive, pids))
+
+
+CHILD = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from steps.{step}.engine import LLM
+if __name__ == "__main__":
+    llm = LLM("random:tiny-llama", device="cpu", max_kv_tokens=1024, tensor_parallel_size=2)
+    print("PIDS", *llm.workers.pids, flush=True)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)  # no exit handler runs: the workers must notice by themselves
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_no_worker_is_left_when_the_engines_process_ends(how, tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(root=str(ROOT), step=TP))
+    proc = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=300)
+    pids = [int(x) for line in proc.stdout.splitlines() if line.startswith("PIDS") for x in line.split()[1:]]
+    assert len(pids) == 1, proc.stdout + proc.stderr[-2000:]
+    deadline = time.monotonic() + 15  # an orphaned worker checks its parent every second
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(alive, pids))
+
+
+# ---- the GPU --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+def test_tp1_on_the_gpu_equals_step21():
+    """One GPU: no worker, no collective, the same kernels and graphs: step21's tokens and logprobs exactly."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Tensor parallelism splits", "Hello"]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1)
+    outs = []
+    for step in (BEFORE, TP):
+        llm = load_engine(step).LLM("random:qwen3-0.6b", device="cuda", max_kv_tokens=8192)
+        outs.append(llm.generate(prompts, params))
+        if step == TP:
+            assert llm.tp.size == 1 and llm.workers is None and llm.stats["graph_replays"] > 0
+            assert "tensor parallel: off" in llm.backend
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    if torch.cuda.device_count() == 1:  # two ranks need two GPUs: refused by name before a process starts
+        with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 GPUs .*this machine has 1"):
+            load_engine(TP).LLM("random:qwen3-0.6b", device="cuda", tensor_parallel_size=2)
