@@ -13,6 +13,11 @@ A chapter's own run goes in beside the others, under its own workload keys, with
 With --merge the file's other workloads and its description stay; the new entries carry their own model, date
 and commit (the docs' captions name them).
 
+A step the run did not have (a newer step, measured later the same way) joins the run's entry as its next device
+call, with its own date and commit, and leaves the entry's pending list (--pending names steps still waiting):
+    python docs/data/collect_bench.py --device h200 --add-to mixed --model random:smollm2-135m --date ... \
+        --commit ... --results /tmp/mixed_new.jsonl --command "mixed=python3 docs/data/bench_all_steps.py ..."
+
 Each entry names its run (--run, shown with every figure quoted from it) and may be the site's run for its
 workload and model (--canonical): the one the summaries and most chapters quote (docs/hooks/figures.py).
 Results of docs/data/bench_all_steps.py carry the part of the call they ran in ("alone", "lanes",
@@ -53,8 +58,13 @@ def main() -> None:
     p.add_argument("--calls", action="store_true", help="each --results file is one device call, in order")
     p.add_argument("--max-tokens", type=int, default=128, help="the workload's --max-tokens")
     p.add_argument("--not-finished", nargs="*", default=[], help="STEP=SECONDS: stopped, unfinished, after SECONDS")
+    p.add_argument("--add-to", default=None, help="WORKLOAD: add the results' steps to that entry, as its next call")
+    p.add_argument("--pending", nargs="*", default=[], help="with --add-to: STEP=WHY, steps the run still lacks")
     args = p.parse_args()
     commands = dict(c.split("=", 1) for c in args.command)
+    if args.add_to:
+        add_to(args, commands)
+        return
     workloads: dict = {}
     for call, path in enumerate(args.results, 1):
         for r in read_results(path):
@@ -86,6 +96,29 @@ def main() -> None:
                "git_commit": args.commit, "note": args.note, "workloads": workloads}
     target.write_text(json.dumps(out, indent=1) + "\n")
     print(f"written {target}: " + ", ".join(f"{k} ({len(v['steps'])} steps)" for k, v in workloads.items()))
+
+
+def add_to(args, commands: dict) -> None:
+    """The results' steps into an existing run's entry, as its next device call (see the module's docstring)."""
+    target = Path(__file__).resolve().parent / f"{args.device}.json"
+    out = json.loads(target.read_text())
+    wl = out["workloads"][args.add_to]
+    call = max(r.get("call", 1) for r in wl["steps"].values()) + 1
+    added = []
+    for path in args.results:
+        for r in read_results(path):
+            assert r["model"] == args.model == wl["model"], (r["model"], args.model, wl["model"])
+            assert r["workload"] == args.add_to and r["step"] not in wl["steps"], (r["workload"], r["step"])
+            wl["steps"][r["step"]] = dict({k: r[k] for k in KEEP if k in r}, call=call, date=args.date,
+                                          git_commit=args.commit)
+            wl.get("pending", {}).pop(r["step"], None)
+            added.append(r["step"])
+    wl.setdefault("pending", {}).update(dict(x.split("=", 1) for x in args.pending))
+    if not wl["pending"]:
+        del wl["pending"]
+    wl["command"] += f"; {', '.join(added)} on {args.date} in call {call}: {commands.get(args.add_to, '?')}"
+    target.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"written {target}: {args.add_to} + {', '.join(added)} (call {call})")
 
 
 if __name__ == "__main__":

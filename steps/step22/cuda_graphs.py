@@ -151,10 +151,10 @@ class DecodeGraphs:
             self.forward(size)  # warm-up
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            before = self.model.tp.counts()
+            counted = self.model.tp.counts()
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[size] = self.forward(size)
-            self.collectives[size] = tuple(b - a for a, b in zip(before, self.model.tp.counts()))
+            self.collectives[size] = tuple(b - a for a, b in zip(counted, self.model.tp.counts()))
             self.model.tp.add(tuple(-n for n in self.collectives[size]))  # recorded, not run: count per replay
             pool = graph.pool()
             self.graphs[size] = graph

@@ -135,9 +135,11 @@ def compare_sizes(args, sizes: list[int]) -> None:
         hidden, layers, device, dtype = llm.model.config.hidden_size, llm.model.config.num_layers, llm.device, llm.dtype
         del llm
     print(f"\nThe same {args.requests} requests, {args.lesson_tokens} new tokens each (greedy), one run per size:")
-    print(format_table(["tp", "collectives", "tokens/s", "same tokens as tp=1", "max |dlogprob|",
-                        "all-reduces per forward", "bytes all-reduced per token", "logit bytes gathered per token",
-                        "ms per engine step", "rank 0's ms in all-reduces per forward"], rows))
+    print(format_table(["tp", "collectives", "tokens/s", "same as tp=1", "max |dlogprob|", "all-reduces/fwd",
+                        "reduced B/token", "gathered B/token", "ms/step", "ms all-reduce/fwd"], rows))
+    print("(all-reduces/fwd: per forward; reduced B/token: bytes all-reduced per token computed; gathered B/token: "
+          "logit bytes rank 0 received per token sampled; ms all-reduce/fwd: rank 0's time in all-reduce calls, waits "
+          "for the other ranks included)")
     if len(sizes) > 1:
         from .parallel import measure_all_reduce
 
