@@ -211,6 +211,28 @@ def test_a_killed_worker_is_an_error_on_rank_0_not_a_hang():
     assert child_processes() == set()
 
 
+def test_a_step_that_fails_on_rank_0_mid_forward_stops_the_engine():
+    """Rank 0 failing inside a forward leaves the workers inside that step's collectives: a later step would pair
+    its collectives with theirs. It must raise instead, and shutdown() must still stop the workers."""
+    LLM, p = load_engine(TP).LLM, parallel()
+    llm = LLM("random:tiny-llama", device="cpu", max_kv_tokens=1024, tensor_parallel_size=2)
+    try:
+        forward = llm.model.forward
+
+        def broken(*args):
+            raise RuntimeError("injected")
+
+        llm.model.forward = broken
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.generate(["hello"], SamplingParams(max_tokens=3))
+        llm.model.forward = forward
+        with pytest.raises(p.WorkerError, match="collectives no longer line up"):
+            llm.generate(["hello"], SamplingParams(max_tokens=3))
+    finally:
+        llm.shutdown()
+    assert child_processes() == set()
+
+
 def test_no_worker_is_left_after_shutdown_or_when_the_engine_is_collected():
     LLM = load_engine(TP).LLM
     llm = LLM("random:tiny-llama", device="cpu", max_kv_tokens=1024, tensor_parallel_size=2)

@@ -59,7 +59,7 @@ from .detokenizer import IncrementalDetokenizer
 from .model import KV_CACHE_DTYPES, CausalLM, ModelConfig, check_kv_cache_dtype  # noqa: F401
 from .model_runner import (CPU_DEFAULT_KV_TOKENS, ModelRunner, kv_bytes_per_token, kv_pool_blocks,  # noqa: F401
                            to_device)
-from .parallel import TensorParallel, Workers, check_tensor_parallel_size, rank_device
+from .parallel import TensorParallel, WorkerError, Workers, check_tensor_parallel_size, rank_device
 from .sampler import make_generator
 from .scheduler import Scheduler
 from .sequence import Finish, Sequence, SequenceStatus
@@ -197,8 +197,11 @@ class LLM:
             self.runner, self.memory, self.cuda_graphs = build_rank(model_dir, self.device, self.tp, **options)
             if self.workers is not None:
                 self.workers.wait_ready()
-        except BaseException:
+        except BaseException as e:  # a worker's own error says more than the closed connection rank 0 saw
+            failure = self.workers.failure(wait_s=5) if self.workers and not isinstance(e, WorkerError) else None
             self.shutdown()
+            if failure:
+                raise WorkerError(failure) from e
             raise
         self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
         self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers

@@ -27,6 +27,7 @@ import torch
 
 from .cuda_graphs import DecodeGraphs
 from .model import CausalLM, KVCache, slot_mapping, to_device  # noqa: F401  (to_device: imported from here too)
+from .parallel import WorkerError
 from .sampler import sample_batch
 from .sequence import Sequence
 
@@ -172,8 +173,22 @@ class ModelRunner:
         A step of decodes replays its bucket's graph; any other step runs eagerly.
         -> the logits of each sequence's last new token, in the order of the work: [S, vocab].
         Tensor parallel: rank 0 first sends the work to the workers, which run this same method on it."""
-        if self.workers is not None:
-            self.workers.start_step(self.model.tp, work)
+        if self.workers is None:
+            return self._execute(work)
+        self.workers.start_step(self.model.tp, work)
+        try:
+            return self._execute(work)
+        except BaseException as e:
+            failure = None if isinstance(e, KeyboardInterrupt) else self.workers.failure(wait_s=1)
+            if failure:  # a collective failed because a worker died or failed: say which
+                self.workers.stop_steps(failure)
+                raise WorkerError(failure) from e
+            # the workers may be inside this step's collectives, waiting for rank 0's
+            self.workers.stop_steps(f"a step stopped on rank 0 inside its forward ({type(e).__name__}: {e}), so the "
+                                    "ranks' collectives no longer line up")
+            raise
+
+    def _execute(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         if self.graph_can_run(work):
             with self.timers.phase("prepare inputs"):
                 size = self.graphs.prepare([seq for seq, _ in work])

@@ -322,6 +322,29 @@ class Workers:
         self.failed = self.failed or message
         raise WorkerError(message)
 
+    def stop_steps(self, reason: str) -> None:
+        """No step may run any more (the ranks are out of step): every later step raises WorkerError(reason)."""
+        self.failed = self.failed or reason
+
+    def failure(self, wait_s: float) -> str | None:
+        """What a worker reported or how it ended, waiting up to wait_s for it: after rank 0's own build failed (a
+        worker's error usually comes first, and rank 0's collective only saw the connection close). None: none."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
+                try:
+                    if conn.poll(0):
+                        kind, detail = conn.recv()
+                        if kind == "error":
+                            return f"tensor-parallel worker {rank} (pid {p.pid}) failed:\n{detail}"
+                except (EOFError, OSError):
+                    pass
+                if not p.is_alive():
+                    return f"tensor-parallel worker {rank} (pid {p.pid}) died with exit code {p.exitcode}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+
     def check_alive(self) -> None:
         """Raise WorkerError if a worker is gone (or failed before): checked before every step."""
         if self.failed:
