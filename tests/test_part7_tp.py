@@ -35,29 +35,28 @@ def parallel():
     return step_module(TP, "parallel")
 
 
+def stat_fields(pid) -> list[str] | None:
+    """/proc/PID/stat after the command name: [state, parent pid, ...]; None once the process is gone."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def child_processes() -> set[int]:
     """The live children of this process, read from /proc, leaving out multiprocessing's resource tracker (a helper
     the spawn method starts once per process, shared by everything that spawns; not an engine's worker)."""
     from multiprocessing import resource_tracker
 
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    children = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            if fields[1] == str(os.getpid()) and fields[0] != "Z":
-                children.add(int(entry.name))
+    children = {int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()
+                and (f := stat_fields(e.name)) is not None and f[1] == str(os.getpid()) and f[0] != "Z"}
     return children - {tracker}
 
 
 def alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 # ---- the loader -----------------------------------------------------------------------------------------
@@ -267,7 +266,7 @@ def test_no_worker_is_left_when_the_engines_process_ends(how, tmp_path):
     proc = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=300)
     pids = [int(x) for line in proc.stdout.splitlines() if line.startswith("PIDS") for x in line.split()[1:]]
     assert len(pids) == 1, proc.stdout + proc.stderr[-2000:]
-    deadline = time.monotonic() + 15  # an orphaned worker checks its parent every second
+    deadline = time.monotonic() + 15  # an orphaned worker's pipe closes: its recv() ends
     while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(map(alive, pids))
