@@ -263,9 +263,12 @@ if __name__ == "__main__":
 def test_no_worker_is_left_when_the_engines_process_ends(how, tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root=str(ROOT), step=TP))
-    proc = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=300)
-    pids = [int(x) for line in proc.stdout.splitlines() if line.startswith("PIDS") for x in line.split()[1:]]
-    assert len(pids) == 1, proc.stdout + proc.stderr[-2000:]
+    out = tmp_path / "out.txt"
+    with out.open("w") as f:  # a file, not a pipe: a worker left behind would hold a pipe open, and the wait with it
+        subprocess.run([sys.executable, str(script), how], stdout=f, stderr=subprocess.STDOUT, timeout=300)
+    text = out.read_text()
+    pids = [int(x) for line in text.splitlines() if line.startswith("PIDS") for x in line.split()[1:]]
+    assert len(pids) == 1, text[-2000:]
     deadline = time.monotonic() + 15  # an orphaned worker's pipe closes: its recv() ends
     while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.2)
