@@ -1,0 +1,591 @@
+"""step23: a streaming engine. `AsyncLLM(model, **engine_options)` serves many callers of one event loop at once:
+`async for out in engine.generate(prompt, params, request_id)` yields a RequestOutput each time the request gets a
+token (cumulative text and token ids, vLLM's default; the last has finished=True), `await engine.abort(request_id)`
+ends a request and frees its blocks, `engine.shutdown()` stops it. One background thread runs the step loop (the
+LLM below, untouched by any other thread) and hands each step's outputs to the streams' queues, so the event loop
+never waits for a step. A step that fails reaches every stream it served as an exception; the loop goes on.
+
+The LLM gains what a stream needs: step(partial=True) also returns the requests that got a token and go on (their
+text held back by the longest stop string's length minus one, so a later stop string never has to take back text
+already sent), add_request takes the caller's request_id, and abort_request returns what it dropped.
+
+step22: tensor parallelism. `LLM(..., tensor_parallel_size=N)` (vLLM's name; default 1) splits the model over N
+ranks (parallel.py): this process is rank 0, the engine (scheduler, block manager, sampler), and N - 1 worker
+processes, started with the spawn method, each hold their share of every layer and of the KV cache. Each step rank
+0 broadcasts the step's inputs and every rank runs the same forward, joined by two all-reduces per layer
+(torch.distributed: NCCL between GPUs, one per rank; gloo between CPU processes). The logits are gathered on rank
+0, which samples. `llm.shutdown()`, the engine going away (`__del__`) and this process exiting all stop the
+workers; a worker that dies is an error at the next step. With N = 1 there is no worker and no collective: the
+engine is step21's.
+
+step21: CUDA graphs. step20's engine, with the decode forward recorded once per batch-size bucket and replayed
+(cuda_graphs.py): a step of decodes only costs the host one graph launch instead of ~360 kernel launches. The
+batch is padded to the next captured size (1, 2, 4, 8, then every 8), its inputs copied into static buffers from
+pinned staging; padding rows write to a scratch block. Steps with prompt chunks run eagerly, as before.
+`enforce_eager` (vLLM's name; default False) turns graphs off. Graphs need CUDA and the kernels' attention
+backend: on a CPU, or with attention_backend="torch", the engine runs eagerly and says so (llm.cuda_graphs).
+
+Once the forward is one launch, the host work around it is what the GPU waits for, so that is cut too: no wait
+for the GPU in a step except the one that reads the sampled tokens (sampling runs on the device, sampler.py;
+model_runner.py's read_back), and sequences compare by identity (sequence.py), which took the scheduler's list
+lookups from O(fields) to O(1) each. With enforce_eager=True the outputs equal step20's.
+
+step20: an int8 KV cache. step19's engine with `kv_cache_dtype` (vLLM's name): "auto" (the default) keeps K
+and V in the model's dtype, exactly as before; "int8" stores them as int8 with one fp32 scale per (token, KV
+head), scale = max|x| / 127 over the head's head_dim elements (model.py: quantize_kv on write, dequantize_kv on
+the torch path's gather; the kernels dequantise each tile they load). A token's K/V take a little more than half
+the bytes of bf16 (head_dim + 4 bytes per row instead of 2 x head_dim), so the pool sized from the same memory
+holds about 1.9x the tokens; the price is a small rounding error in every key and value.
+
+From step18 and step19: every row of a step (decodes and prefill chunks alike) is attended by one kernel launch per
+layer (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs
+flash decoding (kernels/decode.py); the layer's small operators run as three fused kernels (kernels/fused.py).
+`attention_backend` picks the kernels ("triton", the default on CUDA) or plain torch ("torch", the default
+elsewhere; the kernels run on a CPU only in Triton's interpreter).
+
+The anatomy is step14's:
+
+    sequence.py       one request's state (status, tokens, num_computed_tokens, block table)
+    scheduler.py      which sequences run in the next step, and how many tokens each
+    block_manager.py  which cache blocks hold which tokens (paged KV, prefix caching)
+    model_runner.py   sequences -> tensors, the forward, the sampler; owns the model and the KV cache
+    attention.py      how attention runs, one object per backend: its metadata per step, its math per layer
+
+and engine.py only wires them. With kv_cache_dtype="auto" the outputs equal step19's.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import weakref
+
+import torch
+
+from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams, Tokenizer, check_conversations,
+                    check_engine_options, check_length, normalize_prompts, normalize_sampling_params,
+                    resolve_device_dtype, resolve_model)
+
+from .attention import BACKENDS
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .model import KV_CACHE_DTYPES, CausalLM, ModelConfig, check_kv_cache_dtype  # noqa: F401
+from .model_runner import (CPU_DEFAULT_KV_TOKENS, ModelRunner, kv_bytes_per_token, kv_pool_blocks,  # noqa: F401
+                           to_device)
+from .parallel import TensorParallel, WorkerError, Workers, check_tensor_parallel_size, rank_device
+from .sampler import make_generator
+from .scheduler import Scheduler
+from .sequence import Finish, Sequence, SequenceStatus
+from .timers import PhaseTimers
+
+RequestStatus = SequenceStatus  # the name steps 05-13 exported; same states
+
+
+def check_enforce_eager(enforce_eager) -> bool:
+    """enforce_eager must be a bool (vLLM's option): True runs every step eagerly, False replays CUDA graphs."""
+    if not isinstance(enforce_eager, bool):
+        raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
+    return enforce_eager
+
+
+def graphs_off_reason(enforce_eager: bool, device: torch.device, attention_backend: str) -> str | None:
+    """Why this engine runs without CUDA graphs, or None when it captures them."""
+    if enforce_eager:
+        return "enforce_eager=True"
+    if device.type != "cuda":
+        return f"the device is {device.type}: CUDA graphs need a CUDA GPU"
+    if attention_backend != "triton":
+        return "attention_backend='torch' builds each step's metadata on the host, so it cannot be replayed"
+    return None
+
+
+def choose_attention_backend(asked: str | None, device: torch.device) -> str:
+    """"triton" (the kernels for prefill chunks and decodes) or "torch" (step14_7's loop). Default: triton on
+    CUDA when Triton is installed, torch elsewhere. On a CPU the kernel runs only in Triton's interpreter."""
+    import importlib.util
+    import os
+
+    has_triton = importlib.util.find_spec("triton") is not None
+    if asked is None:
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    if asked not in ("triton", "torch"):
+        raise ValueError(f"attention_backend must be 'triton', 'torch' or None, got {asked!r}")
+    if asked == "triton" and not has_triton:
+        raise ValueError("attention_backend='triton': Triton is not installed")
+    if asked == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' on the CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1")
+    return asked
+
+
+def new_stats() -> dict:
+    """The engine's counters. rows: summed. step21: graph_replays (forwards replayed from a graph), eager_forwards,
+    padded_rows (rows added to fill a bucket), syncs (waits for the GPU: one per step that samples, on CUDA)."""
+    return {"prefill_chunks": 0, "decode_steps": 0, "decode_rows": 0, "forwards": 0, "graph_replays": 0,
+            "eager_forwards": 0, "padded_rows": 0, "syncs": 0}
+
+
+def build_rank(model_dir, device: torch.device, tp: TensorParallel, dtype: torch.dtype, attention_backend: str,
+               kv_cache_dtype: str, enforce_eager: bool, max_num_seqs: int, max_kv_tokens: int | None,
+               block_size: int, warmup_tokens: int, gpu_memory_utilization: float):
+    """One rank's model runner: its share of the model, the attention backend, the KV cache (sized, on CUDA, by a
+    profiled forward) and the CUDA graphs. Rank 0 (the engine) and every worker run this same build, so the
+    collectives in its forwards meet. -> (runner, memory, cuda_graphs)."""
+    model = CausalLM.from_pretrained(model_dir, device, dtype, tp)
+    # One object decides how attention runs: its metadata every step (the runner), its attention every layer
+    # (the model). attention.py: TorchAttention (step14_7's loop) or TritonAttention (the kernels).
+    model.attention_backend = BACKENDS[attention_backend](model.config, device)
+    if attention_backend == "triton":  # the kernels' path: the layer's elementwise groups fused too (kernels/fused.py)
+        from .kernels.fused import TritonLayerOps
+        model.ops = TritonLayerOps()
+    off = graphs_off_reason(enforce_eager, device, attention_backend)
+    runner = ModelRunner(model, device, dtype, PhaseTimers(device), new_stats(), kv_cache_dtype,
+                         use_graphs=off is None, max_num_seqs=max_num_seqs)
+    memory = runner.allocate_kv_cache(max_kv_tokens, block_size, warmup_tokens, gpu_memory_utilization)
+    # CUDA graphs: captured now, on the allocated cache (the graphs record its addresses)
+    graphs = {"enabled": off is None, "reason": off}
+    if off is None:
+        graphs.update(runner.capture_graphs(block_size))
+        memory["graph_pool_bytes"] = graphs["pool_bytes"]
+    return runner, memory, graphs
+
+
+def start_tensor_parallel(size: int, device: torch.device, model_dir, options: dict):
+    """Start the N - 1 workers and join the group as rank 0. -> (Workers, rank 0's TensorParallel)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel engine is already running in this process: shutdown() it first "
+                           "(torch.distributed holds one group per process)")
+    workers = Workers(size, device, model_dir, options)
+    try:
+        for rank, (p, conn) in enumerate(zip(workers.processes, workers.conns), start=1):
+            workers._expect(rank, p, conn, "hello")  # it started (imports done) and is joining the group
+        tp = TensorParallel.connect(0, size, workers.init_method, rank_device(device, 0), workers.timeout_s)
+    except BaseException:
+        workers.shutdown()
+        raise
+    return workers, tp
+
+
+def stop_tensor_parallel(workers: Workers, tp: TensorParallel) -> None:
+    workers.shutdown()
+    tp.close()
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, device=None, dtype=None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512, max_kv_tokens: int | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
+                 attention_backend: str | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1):
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)  # "auto" or "int8", checked before anything loads
+        self.enforce_eager = check_enforce_eager(enforce_eager)
+        check_tensor_parallel_size(tensor_parallel_size)  # its type now; how it splits the model once it is found
+        self.device, self.dtype = resolve_device_dtype(device, dtype)
+        if max_kv_tokens is None and self.device.type == "cpu":
+            max_kv_tokens = CPU_DEFAULT_KV_TOKENS  # the CPU knob; on CUDA, None = size the pool from free memory
+        check_engine_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             gpu_memory_utilization=gpu_memory_utilization, max_kv_tokens=max_kv_tokens,
+                             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                             may_be_none=("max_kv_tokens",))
+        self.model_name = str(model)
+        model_dir = resolve_model(model)
+        # the split must fit the model's heads: checked on its config, before any process starts
+        config = ModelConfig.from_json(model_dir / "config.json")
+        self.tensor_parallel_size = check_tensor_parallel_size(tensor_parallel_size, config, self.device)
+        self.tokenizer = Tokenizer(model_dir)
+        options = dict(dtype=self.dtype, attention_backend=choose_attention_backend(attention_backend, self.device),
+                       kv_cache_dtype=kv_cache_dtype, enforce_eager=self.enforce_eager, max_num_seqs=max_num_seqs,
+                       max_kv_tokens=max_kv_tokens, block_size=block_size,
+                       warmup_tokens=min(max_num_batched_tokens, config.max_position_embeddings),
+                       gpu_memory_utilization=gpu_memory_utilization)
+        self.workers: Workers | None = None
+        if self.tensor_parallel_size == 1:
+            self.tp = TensorParallel()
+        else:  # the workers start, then every rank builds its share; rank 0 is this process
+            self.device = rank_device(self.device, 0)
+            self.workers, self.tp = start_tensor_parallel(self.tensor_parallel_size, self.device, model_dir, options)
+        self._finalizer = weakref.finalize(self, stop_tensor_parallel, self.workers, self.tp) if self.workers else None
+        try:
+            self.runner, self.memory, self.cuda_graphs = build_rank(model_dir, self.device, self.tp, **options)
+            if self.workers is not None:
+                self.workers.wait_ready()
+        except BaseException as e:  # a worker's own error says more than the closed connection rank 0 saw
+            failure = self.workers.failure(wait_s=5) if self.workers and not isinstance(e, WorkerError) else None
+            self.shutdown()
+            if failure:
+                raise WorkerError(failure) from e
+            raise
+        self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
+        self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers
+        self.max_model_len = self.model.config.max_position_embeddings
+        num_blocks = self.memory["num_blocks"]
+        if self.cuda_graphs["enabled"]:
+            sizes = self.cuda_graphs["sizes"]
+            graphs = (f"CUDA graphs: {len(sizes)} captured (decode batches of {', '.join(map(str, sizes[:5]))}"
+                      f"{' .. ' + str(sizes[-1]) if len(sizes) > 5 else ''}), replayed for steps of decodes")
+        else:
+            graphs = f"CUDA graphs: off, eager ({self.cuda_graphs['reason']})"
+        c = self.model.config
+        split = (f"tensor parallel: {self.tp.size} ranks ({self.tp.backend}), each {c.num_heads} heads / "
+                 f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
+                 if self.tp.size > 1 else "tensor parallel: off (1 rank)")
+        kv = self.memory["kv_dtype"] + (" + an fp32 scale per token and KV head" if kv_cache_dtype == "int8" else "")
+        self.backend = (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), continuous batching + "
+                        f"chunked prefill + preemption, paged KV ({num_blocks} blocks of {block_size}, KV dtype {kv}, "
+                        f"sized by {self.memory['sized_by']}), "
+                        f"prefix caching {'on' if enable_prefix_caching else 'off'}, "
+                        f"attention: {self.model.attention_backend.name}, elementwise: "
+                        f"{'fused kernels' if self.model.ops.name == 'triton' else 'torch operators'}, {graphs}, "
+                        f"{split}")
+        self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.block_manager)
+        self.next_request_id = 0
+        self.finished_outputs: list[RequestOutput] = []  # finished, not handed out yet (see generate)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the group (nothing to do at tp=1); idempotent. Also run when
+        the engine is garbage-collected and when the process exits."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __del__(self):
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompts = normalize_prompts(prompts, self.tokenizer, self.model.config.vocab_size)
+        params = normalize_sampling_params(sampling_params, len(prompts), SamplingParams(temperature=0))
+        for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
+            check_length(i, len(ids), sp, self.max_model_len)
+            self._check_fits_kv_budget(i, len(ids), sp)
+        # Everything is checked above, before anything is queued.
+        request_ids = [self._add(text, ids, sp) for (text, ids), sp in zip(prompts, params)]
+        mine: dict[str, RequestOutput | None] = dict.fromkeys(request_ids)
+        try:
+            while None in mine.values():  # until all of ours have finished
+                if not self.has_unfinished_requests():
+                    raise RuntimeError("generate(): the scheduler lost a request")  # a bug, never a silent hang
+                for out in self._step():
+                    if out.request_id in mine:
+                        mine[out.request_id] = out
+                    else:  # a request queued with add_request(): a later step() hands it out
+                        self.finished_outputs.append(out)
+        except BaseException:  # the caller gets the error, not our outputs: drop what is left of ours
+            for request_id, out in mine.items():
+                if out is None:
+                    self.abort_request(request_id)
+            raise
+        return list(mine.values())
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue one request (a string or token ids); it joins the running batch at a coming step(). step23:
+        request_id names it (any string no queued or running request has; None: the engine numbers it)."""
+        text, ids, sp = self.check_request(prompt, sampling_params)
+        return self._add(text, ids, sp, request_id)
+
+    def check_request(self, prompt, sampling_params: SamplingParams | None = None):
+        """One request's checks, before anything is queued: -> (its text, its token ids, its SamplingParams).
+        ValueError names what is wrong. Reads no engine state that a step changes (safe beside a running step)."""
+        (text, ids), = normalize_prompts([prompt], self.tokenizer, self.model.config.vocab_size)
+        sp = normalize_sampling_params(sampling_params, 1, SamplingParams(temperature=0))[0]
+        check_length(0, len(ids), sp, self.max_model_len)
+        self._check_fits_kv_budget(0, len(ids), sp)
+        return text, ids, sp
+
+    def _check_fits_kv_budget(self, index: int, prompt_len: int, sp: SamplingParams) -> None:
+        """A request that could never fit in the KV pool, even alone, is refused now instead of waiting forever."""
+        bm = self.block_manager
+        if bm.blocks_for(prompt_len + sp.max_tokens) > bm.num_blocks:
+            raise ValueError(f"prompts[{index}]: prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) = "
+                             f"{prompt_len + sp.max_tokens} exceeds max_kv_tokens ({bm.num_blocks * bm.block_size} "
+                             f"= {bm.num_blocks} blocks of {bm.block_size}): it could never fit in the KV pool")
+
+    def _add(self, text: str | None, ids: list[int], sp: SamplingParams, request_id: str | None = None) -> str:
+        if request_id is None:
+            request_id = str(self.next_request_id)
+            self.next_request_id += 1
+        elif any(r.request_id == request_id for r in [*self.scheduler.waiting, *self.scheduler.running]):
+            raise ValueError(f"request_id {request_id!r} is already queued or running")
+        self.scheduler.add(Sequence(request_id, text, ids, sp, make_generator(sp, self.device),
+                                   RequestMetrics(time.perf_counter()), logprobs=[] if sp.logprobs is not None else None,
+                                   detokenizer=IncrementalDetokenizer(self.tokenizer)))
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort_request(self, request_id: str) -> Sequence | None:
+        """Drop a waiting or running request: it leaves the queues, releases its KV memory and is never returned.
+        -> the dropped sequence (None: no such request is queued or running)."""
+        for r in [*self.scheduler.waiting, *self.scheduler.running]:
+            if r.request_id == request_id:
+                self.scheduler.finish(r)
+                return r
+        return None
+
+    def step(self, partial: bool = False) -> list[RequestOutput]:
+        """One iteration: every running request computes the tokens the scheduler gave it (one for a decode, a
+        chunk of its prompt otherwise), all in one forward within the token budget. Returns the requests that finished in this iteration,
+        and any that finished earlier without being handed out (while another caller's generate() ran).
+        step23: partial=True also returns each request that got a token and goes on (finished=False, its text so
+        far). An idle engine returns []."""
+        handed_out, self.finished_outputs = self.finished_outputs, []
+        return handed_out + self._step(partial)
+
+    def _step(self, partial: bool = False) -> list[RequestOutput]:
+        timer = self.timers.phase
+        with timer("schedule"):
+            work = self.scheduler.schedule()  # [(sequence, tokens to compute)]: decodes and chunks alike
+        scheduled = [seq for seq, _ in work]
+        if not scheduled:  # idle: nothing waits or runs
+            return []
+        self.timers.steps += 1
+        with timer("schedule"):
+            decodes = sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
+            self.stats["decode_steps"] += bool(decodes)
+            self.stats["decode_rows"] += decodes
+            self.stats["prefill_chunks"] += len(work) - decodes
+        try:
+            logits = self.runner.execute(work)  # one row per scheduled sequence, in that order
+            with timer("schedule"):
+                self.scheduler.postprocess(work)
+                # Decodes get a token; a chunk gets one only if it was its prompt's last (its logits are the next
+                # token's), otherwise its row is dropped.
+                rows = [i for i, seq in enumerate(scheduled) if seq.num_computed_tokens == seq.num_tokens]
+            if rows:  # one sampler call for the whole batch
+                with timer("sample"):
+                    sampled = [scheduled[i] for i in rows]
+                    if len(rows) < len(scheduled):  # the index goes to the device without a wait (pinned)
+                        logits = logits[to_device(torch.tensor(rows), logits.device)]
+                self._append_tokens(sampled, logits)
+        except BaseException:  # a failure mid-step leaves these sequences half-updated: drop them, then re-raise
+            for seq in scheduled:
+                self.abort_request(seq.request_id)
+            raise
+        with timer("schedule"):
+            finished = [seq for seq in scheduled if seq.finish is not None]
+            for seq in finished:
+                self.scheduler.finish(seq)  # its blocks are released: free again, or evictable if cached
+        with timer("detokenize"):
+            outputs = [seq.to_output() for seq in finished]
+            if partial and rows:  # the requests that got a token and go on
+                outputs += [seq.partial_output() for seq in sampled if seq.finish is None]
+            return outputs
+
+    def chat(self, conversations, sampling_params=None) -> list[RequestOutput]:
+        prompts = [self.tokenizer.apply_chat_template(c) for c in check_conversations(conversations)]
+        return self.generate(prompts, sampling_params)
+
+    def _check_stop(self, r: Sequence) -> Finish | None:
+        """-> a Finish once the request must end, else None. Text grows through the request's detokenizer, and
+        stop strings are looked for only where new text could complete one: O(1) per token, not O(n)."""
+        sp, last = r.params, r.output_ids[-1]
+        if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
+            return Finish("stop", None, r.detokenizer.final_text())  # the stop token is not in the text
+        if last in sp.stop_token_ids:
+            return Finish("stop", last, r.detokenizer.final_text())
+        new = r.detokenizer.add(last)
+        if new and sp.stop:
+            text = r.detokenizer.text
+            # A stop string that ends in the new text starts at most len(stop) - 1 characters before it.
+            window_start = max(0, len(text) - len(new) - max(len(s) for s in sp.stop) + 1)
+            window = text[window_start:]
+            hits = [(window.find(s), s) for s in sp.stop if s in window]
+            if hits:
+                cut, stop = min(hits)  # the earliest stop string; the text ends just before it
+                return Finish("stop", stop, text[:window_start + cut])
+        if len(r.output_ids) >= sp.max_tokens:
+            return Finish("length", None, r.detokenizer.final_text())
+        return None
+
+    def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for each sequence from its row of logits [B, vocab] in one sampler call (the model
+        runner's), record them, check which sequences must stop."""
+        next_ids, chosen, tops = self.runner.sample(seqs, logits)  # host lists: the step's one wait for the GPU
+        with self.timers.phase("sample"):
+            now = time.perf_counter()
+            for seq, top, next_id, logprob in zip(seqs, tops, next_ids, chosen):
+                seq.cumulative_logprob += logprob
+                if seq.logprobs is not None:  # the n most likely tokens and the chosen one: {token_id: logprob}
+                    top[next_id] = logprob
+                    seq.logprobs.append(top)
+                seq.append_token(next_id)
+                seq.metrics.token_times.append(now)
+                seq.metrics.first_token_time = seq.metrics.first_token_time or now
+        with self.timers.phase("detokenize"):
+            for seq in seqs:
+                seq.finish = self._check_stop(seq)
+                if seq.finish is not None:
+                    seq.metrics.finished_time = now
+
+
+# ---- step23: the streaming engine ---------------------------------------------------------------------------
+class EngineStepError(RuntimeError):
+    """An engine step failed while it served this request: the request was dropped (its blocks freed)."""
+
+
+class EngineShutDown(RuntimeError):
+    """The AsyncLLM was shut down: no request runs any more."""
+
+
+class _Stream:
+    """One request's way back to its caller: an asyncio queue of the caller's event loop, fed from the step thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def put(self, item) -> None:  # from the step thread: the item joins the queue in the event loop's own thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+            pass
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():  # its caller may have been cancelled meanwhile
+        future.set_result(value)
+
+
+class AsyncLLM:
+    """An LLM served to many callers at once, streaming each request's outputs as its tokens arrive.
+
+        engine = AsyncLLM("smollm2-135m", max_num_seqs=16)
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=32), request_id="a"):
+            print(out.outputs[0].text)          # the text so far; out.finished on the last one
+
+    One thread, the step loop, owns the LLM: it takes the callers' commands (add, abort) between steps, runs a step
+    whenever a request is queued or running, and puts each output in its request's queue. The event loop only
+    puts commands and reads queues, so it never waits for a step. A caller that stops reading (breaks out of the
+    loop, is cancelled) aborts its request; a step that fails ends every stream it served with EngineStepError,
+    and the loop serves the next requests; shutdown() ends every stream with EngineShutDown.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
+        self.llm = LLM(model, **engine_options)
+        self.tokenizer = self.llm.tokenizer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards _streams (the event loop adds and removes, the step thread reads)
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self.stats = {"steps": 0, "failed_steps": 0, "aborted": 0}
+        self._thread = threading.Thread(target=self._loop, name="AsyncLLM step loop", daemon=True)
+        self._thread.start()
+
+    # ---- the callers' side: the event loop ----------------------------------------------------------------
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None):
+        """Submit one request and yield its RequestOutputs as its tokens arrive: cumulative (each holds the text and
+        tokens so far), the last with finished=True. A bad request raises ValueError before anything is queued;
+        stopping the iteration early aborts the request."""
+        if self._stopped:
+            raise EngineShutDown("AsyncLLM.generate(): the engine is shut down")
+        text, ids, sp = self.llm.check_request(prompt, sampling_params)
+        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already running")
+            self._streams[request_id] = stream
+        self._send("add", request_id, (text, ids, sp))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:  # the caller stopped early (break, cancel, an error): the request must not run on
+                self._send("abort", request_id, None)
+
+    async def abort(self, request_id: str) -> bool:
+        """End a request now: its blocks are free when this returns, and its stream ends with one last output
+        (finished=True, finish_reason "abort"). -> whether it was queued or running."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._send("abort", request_id, loop, done)
+        return await done
+
+    def shutdown(self) -> None:
+        """Stop the step loop (after the step it is in), end every open stream with EngineShutDown, and shut the LLM
+        down (its tensor-parallel workers, if any). Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._send("stop", None, None)
+        self._thread.join(timeout=60)
+        with self._lock:
+            streams, self._streams = dict(self._streams), {}
+        for stream in streams.values():
+            stream.put(EngineShutDown("the engine was shut down while this request ran"))
+        self.llm.shutdown()
+
+    def _send(self, kind: str, request_id, payload, done=None) -> None:
+        self._commands.put((kind, request_id, payload, done))
+        self._wake.set()
+
+    # ---- the step loop's side: its own thread ---------------------------------------------------------------
+    def _loop(self) -> None:
+        llm = self.llm
+        while True:
+            if not self._run_commands():
+                return
+            if not llm.has_unfinished_requests():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            before = {r.request_id for r in [*llm.scheduler.waiting, *llm.scheduler.running]}
+            try:
+                outputs = llm.step(partial=True)
+            except Exception as e:  # the step's requests were dropped (LLM._step): their streams end with the error
+                self.stats["failed_steps"] += 1
+                after = {r.request_id for r in [*llm.scheduler.waiting, *llm.scheduler.running]}
+                for request_id in before - after:
+                    self._deliver(request_id, EngineStepError(f"the engine step failed: {type(e).__name__}: {e}"))
+                continue
+            self.stats["steps"] += 1
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _run_commands(self) -> bool:
+        """Everything the callers sent since the last step, in order. -> False once told to stop."""
+        while True:
+            try:
+                kind, request_id, payload, done = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if kind == "stop":
+                return False
+            if kind == "add":
+                with self._lock:
+                    wanted = request_id in self._streams  # its caller may have gone already
+                if wanted:
+                    try:
+                        self.llm._add(*payload, request_id=request_id)
+                    except ValueError as e:  # queued twice: the first one runs on
+                        self._deliver(request_id, e)
+            elif kind == "abort":
+                seq = self.llm.abort_request(request_id)
+                if seq is not None:
+                    self.stats["aborted"] += 1
+                    out = seq.partial_output()
+                    out.finished, out.outputs[0].finish_reason = True, "abort"
+                    self._deliver(request_id, out)
+                if done is not None:  # abort() waits for this: its caller's loop learns it in its own thread
+                    payload.call_soon_threadsafe(_resolve, done, seq is not None)
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)

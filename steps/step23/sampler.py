@@ -1,0 +1,119 @@
+"""Turning logits into next tokens for a whole batch at once: temperature, min-p, top-k, top-p, seeded draws.
+
+Each request's parameters become one entry of a tensor ([B] temperatures, [B] top-k ...), so every filter
+is one tensor operation over the batch instead of one call per request. Each request still draws with its
+own generator: a seeded request gets the same tokens alone or in any batch.
+
+step21: nothing here waits for the GPU. Which filters run is decided from the requests' parameters on the host
+(Python numbers), not from device tensors (a `bool(tensor.any())` on a GPU tensor stops the host until every
+queued kernel has run); the parameters travel in pinned memory without a wait; sample_batch returns the next
+tokens as a tensor on the device. The model runner reads them back once per step.
+"""
+from __future__ import annotations
+
+import torch
+
+from shared import SamplingParams
+
+
+def _to_device(value, device: torch.device, dtype=None) -> torch.Tensor:
+    """A number or a tensor -> a tensor on `device`. A CPU tensor bound for a GPU goes through pinned memory, queued
+    without a wait (a plain copy from pageable memory would make the host wait for the GPU to catch up)."""
+    value = torch.as_tensor(value, dtype=dtype)
+    if value.device == device or device.type != "cuda":
+        return value.to(device)
+    return value.pin_memory().to(device, non_blocking=True)
+
+
+def _per_row(value, logits: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A number or a [B] tensor -> [..., 1], one value per row of logits [..., vocab]."""
+    value = _to_device(value, logits.device, dtype)
+    return value.expand(logits.shape[:-1]).unsqueeze(-1)
+
+
+def _on_host(value) -> torch.Tensor:
+    """The decision of whether a filter runs is made here, on the host: a CPU tensor costs no wait. (A GPU tensor
+    still works, at the price of a wait for the GPU.)"""
+    return torch.as_tensor(value).cpu()
+
+
+def apply_top_k(logits: torch.Tensor, k) -> torch.Tensor:
+    """Per row: keep the k largest logits (and any tied with the k-th), set the rest to -inf. k <= 0: no cut.
+    logits: [..., vocab]; k: a number or one per row."""
+    vocab = logits.shape[-1]
+    k = _on_host(k)
+    k = torch.where((k <= 0) | (k > vocab), vocab, k)
+    if not bool((k < vocab).any()):  # on the host: no wait
+        return logits
+    # topk of the largest k asked for, not a sort of the whole vocabulary: a sort of 49,152 logits per row
+    # costs far more than finding the 50 largest. Rows without a cut get -inf as their threshold.
+    largest = int(k[k < vocab].max())
+    k = _per_row(k, logits)  # [..., 1], on the logits' device
+    cut = k < vocab  # [..., 1]: the rows that ask for a cut
+    kth_largest = logits.topk(largest, dim=-1).values.gather(-1, k.clamp(max=largest) - 1)  # [..., 1]
+    kth_largest = torch.where(cut, kth_largest, float("-inf"))
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, p) -> torch.Tensor:
+    """Per row, nucleus: keep the smallest set of most likely tokens whose probabilities sum to >= p."""
+    vocab = logits.shape[-1]
+    p_host = _on_host(p).to(logits.dtype).expand(logits.shape[:-1]).reshape(-1)  # [rows], on the host
+    cut = (p_host < 1.0).nonzero()[:, 0]  # the rows that ask for a cut (p = 1: no cut), found on the host
+    if len(cut) == 0:
+        return logits
+    flat = logits.reshape(-1, vocab)
+    index = _to_device(cut, logits.device)
+    rows, p = flat[index], _to_device(p_host[cut], logits.device)[:, None]  # sort only those rows: the sort is the cost
+    sorted_logits, order = torch.sort(rows, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of all more-likely tokens
+    drop_sorted = mass_before >= p  # the set already reached p without this token
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    out = flat.clone()
+    out[index] = rows.masked_fill(drop, float("-inf"))
+    return out.view_as(logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p) -> torch.Tensor:
+    """Per row: drop tokens whose probability is below min_p x the probability of the row's most likely token."""
+    min_p_host = _on_host(min_p)
+    if bool((min_p_host <= 0.0).all()):  # on the host: no wait
+        return logits
+    min_p = _per_row(min_p_host, logits, logits.dtype)  # [..., 1]
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+
+
+def make_generator(sp: SamplingParams, device: torch.device) -> torch.Generator:
+    """A per-request random stream: the same seed gives the same samples, whatever else runs."""
+    generator = torch.Generator(device=device)
+    seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)))
+    generator.manual_seed(seed)
+    return generator
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+    """logits: [B, vocab] (fp32), one row per request -> the next token id of each request: int64 [B], on the
+    logits' device, computed without a wait for the GPU."""
+    next_ids = torch.argmax(logits, dim=-1)  # greedy rows are done here
+    rows = [i for i, sp in enumerate(params) if not sp.greedy]
+    if not rows:
+        return next_ids
+    def column(name):  # the requests' parameters: host numbers, decided on the host
+        return torch.tensor([getattr(params[i], name) for i in rows])
+    index = _to_device(torch.tensor(rows), logits.device)
+    # The order of current vLLM: temperature, then min-p, then top-k and top-p.
+    sampled = logits[index] / _per_row(column("temperature"), logits[:len(rows)], logits.dtype)  # [S, vocab]
+    sampled = apply_min_p(sampled, column("min_p").to(logits.dtype))
+    sampled = apply_top_k(sampled, column("top_k"))
+    sampled = apply_top_p(sampled, column("top_p").to(logits.dtype))
+    probs = torch.softmax(sampled, dim=-1)  # [S, vocab]
+    # each request draws from its own stream; the draws stay on the device
+    draws = [torch.multinomial(probs[j], num_samples=1, generator=generators[i]) for j, i in enumerate(rows)]
+    return next_ids.index_put((index,), torch.cat(draws))
+
+
+def sample(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator) -> int:
+    """One request: logits [vocab] -> the next token id (a batch of one)."""
+    return int(sample_batch(logits[None], [sp], [generator])[0])

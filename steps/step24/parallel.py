@@ -1,0 +1,493 @@
+"""Tensor parallelism: one model split across N processes ("ranks"), each holding 1/N of every layer's weights and of
+the KV cache, joined by torch.distributed's collectives (NCCL between GPUs, gloo between CPU processes).
+
+How a layer is cut (Megatron-LM's split, https://arxiv.org/abs/1909.08053), for N ranks:
+
+    qkv_proj, gate_up_proj   column-parallel: each rank holds the output rows of its own heads (q, k and v of
+                             heads/N query heads and kv_heads/N KV heads) and of its intermediate/N MLP columns.
+                             The input is the full hidden state, which every rank has: no communication.
+    attention                each rank attends with its own heads, over the K/V of its own KV heads: the KV
+                             cache of a rank holds kv_heads/N heads, so the pool per rank is 1/N of the bytes.
+    o_proj, down_proj        row-parallel: each rank holds the input columns that match its heads (its MLP
+                             columns), so its product is a partial sum of the full one. One all-reduce (a sum
+                             over ranks, the result on every rank) completes it: two all-reduces per layer.
+    embed_tokens, lm_head    vocab-parallel: each rank holds ceil(vocab/N) rows. The embedding looks up the ids
+                             in its range, zeros for the rest, and one all-reduce sums the N lookups (exactly one
+                             is not zero). lm_head gives each rank the logits of its rows; they are gathered on
+                             rank 0, the only rank that samples.
+
+Rank 0 is the engine (scheduler, block manager, sampler) in the user's process. Ranks 1..N-1 are worker processes
+(started with the spawn method), each running the same forward as rank 0 when rank 0 tells it to: every step,
+rank 0 rings a doorbell (a pipe per worker: "a step of this many numbers") and broadcasts the step's inputs as
+one int64 tensor (pack_work: each row's start, new tokens, length, block table). A worker rebuilds the rows
+(StepRow) and calls its own model runner's execute, exactly what rank 0 runs; the collectives inside the forward
+meet rank 0's.
+
+A worker exits when the engine stops it (shutdown), when its parent process is gone (it checks every second while
+idle), or on an error (after sending the traceback to rank 0). Rank 0 checks its workers are alive before every
+step, and every collective has a timeout: a dead worker is an error on rank 0, not a hang.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+
+TIMEOUT_S = 120.0  # a collective (or a worker's start) that takes longer is an error, not a hang
+
+
+def check_tensor_parallel_size(size, config=None, device: torch.device | None = None) -> int:
+    """tensor_parallel_size (vLLM's name) must be a positive int; given the model's config, one that divides its
+    attention heads, KV heads and MLP width (each rank holds the same share); on CUDA, no more than the GPUs."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+    if config is None:
+        return size
+    if config.num_heads % size or config.num_kv_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide the model's attention heads and KV heads: "
+                         f"{config.num_heads} heads and {config.num_kv_heads} KV heads do not split into {size} "
+                         "equal shares")
+    if config.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide the model's MLP width, "
+                         f"intermediate_size={config.intermediate_size}")
+    if device is not None and device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (one per rank); "
+                         f"this machine has {torch.cuda.device_count()}")
+    return size
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device of a rank: the CPU for every rank on a CPU, GPU `rank` on CUDA."""
+    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
+
+
+def vocab_rows(vocab_size: int, size: int) -> int:
+    """Rows of the embedding and lm_head per rank: ceil(vocab / N); the last rank's share is padded with zeros."""
+    return -(-vocab_size // size)
+
+
+def shard(name: str, full_shape, rank: int, size: int):
+    """Which part of the checkpoint tensor `name` rank `rank` of `size` holds: (dim, start, stop), or None when
+    every rank holds all of it (the norms)."""
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        rows = vocab_rows(full_shape[0], size)
+        return 0, min(rank * rows, full_shape[0]), min((rank + 1) * rows, full_shape[0])
+    column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows: whole heads (the MLP: evenly)
+    row = ("o_proj", "down_proj")  # input columns: the heads' (the MLP's) that match the column split
+    kind = name.split(".")[-2]
+    if kind in column:
+        per = full_shape[0] // size
+        return 0, rank * per, (rank + 1) * per
+    if kind in row:
+        per = full_shape[1] // size
+        return 1, rank * per, (rank + 1) * per
+    return None
+
+
+def load_shard(files, rank: int, size: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """Rank `rank`'s share of the checkpoint's tensors (HF names), read slice by slice from the safetensors files:
+    a rank reads only its rows (columns) of each sharded tensor, never the whole. The vocab-parallel tensors are
+    padded with zero rows to ceil(vocab / N). With size 1 every tensor is read whole, as step21 loads them."""
+    from safetensors import safe_open
+
+    weights = {}
+    for f in files:
+        with safe_open(f, framework="pt") as handle:
+            for name in handle.keys():
+                part = handle.get_slice(name)
+                full_shape = part.get_shape()
+                cut = shard(name, full_shape, rank, size)
+                if cut is None:
+                    tensor = handle.get_tensor(name)
+                elif cut[0] == 0:
+                    tensor = part[cut[1]:cut[2]]
+                else:
+                    tensor = part[:, cut[1]:cut[2]]
+                if cut is not None and cut[0] == 0 and ("embed_tokens" in name or name.startswith("lm_head")):
+                    rows = vocab_rows(full_shape[0], size)
+                    if tensor.shape[0] < rows:  # the last rank's share: zero rows past the vocab
+                        tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+                weights[name] = tensor.to(device=device, dtype=dtype)
+    return weights
+
+
+class TensorParallel:
+    """This rank's place in the group and its collectives. size 1: no group, and all_reduce / gather_logits are the
+    identity, so a tp=1 forward runs exactly step21's operations.
+
+    Counted (every rank counts its own, on the host; a replayed CUDA graph adds what its capture recorded):
+    all_reduces and bytes_all_reduced (the tensors summed), bytes_gathered (the logits sent to rank 0)."""
+
+    def __init__(self, rank: int = 0, size: int = 1, backend: str | None = None, control_group=None):
+        self.rank, self.size, self.backend = rank, size, backend
+        self.control_group = control_group  # gloo: the steps' inputs travel between host memories
+        self.all_reduces = self.bytes_all_reduced = self.bytes_gathered = 0
+        self.all_reduce_s = 0.0  # host time in all_reduce calls: on the CPU (gloo) the wait for every rank included
+
+    @classmethod
+    def connect(cls, rank: int, size: int, init_method: str, device: torch.device,
+                timeout_s: float = TIMEOUT_S) -> "TensorParallel":
+        """Join the group of `size` ranks at init_method (rank 0's TCP address): NCCL on CUDA (this rank's GPU),
+        gloo on the CPU. On CUDA a second group, gloo, carries the step's inputs between host memories."""
+        import torch.distributed as dist
+
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if backend == "nccl" else None
+        return cls(rank, size, backend, control)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- the collectives of the forward -------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x, on every rank (in place). size 1: x itself."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        self.all_reduce_s += time.perf_counter() - start
+        self.all_reduces += 1
+        self.bytes_all_reduced += x.numel() * x.element_size()
+        return x
+
+    def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Each rank's logits of its vocab rows [S, rows] -> on rank 0 the whole [S, vocab] (the ranks' columns side
+        by side, the padding cut off); on the other ranks, their own (unused). size 1: local itself."""
+        if self.size == 1:
+            return local
+        import torch.distributed as dist
+
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(local, parts, dst=0)
+        # counted as it crosses: what a worker sends, what rank 0 receives from the others
+        self.bytes_gathered += local.numel() * local.element_size() * (self.size - 1 if self.rank == 0 else 1)
+        if self.rank != 0:
+            return local
+        return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+    def counts(self) -> tuple[int, int, int]:
+        return self.all_reduces, self.bytes_all_reduced, self.bytes_gathered
+
+    def add(self, counts: tuple[int, int, int]) -> None:
+        """Add what a replayed graph did (its capture's counts): a replay runs no Python, so nothing counts itself."""
+        self.all_reduces += counts[0]
+        self.bytes_all_reduced += counts[1]
+        self.bytes_gathered += counts[2]
+
+    # ---- the step's inputs -------------------------------------------------------------------------------
+    def broadcast_inputs(self, packed: torch.Tensor | None, numel: int) -> torch.Tensor:
+        """Rank 0's packed step (an int64 tensor of numel numbers, in host memory) -> the same on every rank."""
+        import torch.distributed as dist
+
+        buffer = packed if self.rank == 0 else torch.empty(numel, dtype=torch.int64)
+        dist.broadcast(buffer, src=0, group=self.control_group)
+        return buffer
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's value (the KV pool's blocks: every rank must hold the same number)."""
+        if self.size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
+        return int(t.item())
+
+
+# ---- a step's inputs, as rank 0 sends them ---------------------------------------------------------------
+class NewTokens:
+    """The tokens a worker knows of a sequence: the ones this step computes, at positions start .. start + n - 1.
+    Indexed like the sequence's token_ids (by absolute position), inside that window only."""
+
+    def __init__(self, start: int, ids: list[int]):
+        self.start, self.ids = start, ids
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            if i.start != self.start or i.stop != self.start + len(self.ids):
+                raise IndexError(f"a worker holds positions {self.start}..{self.start + len(self.ids) - 1} only")
+            return self.ids
+        if not self.start <= i < self.start + len(self.ids):
+            raise IndexError(f"a worker holds positions {self.start}..{self.start + len(self.ids) - 1} only")
+        return self.ids[i - self.start]
+
+
+class StepRow:
+    """One scheduled sequence on a worker: what the model runner reads of a Sequence, rebuilt from the broadcast."""
+
+    def __init__(self, start: int, num_tokens: int, block_table: list[int], new_ids: list[int]):
+        self.num_computed_tokens, self.num_tokens, self.block_table = start, num_tokens, block_table
+        self.token_ids = NewTokens(start, new_ids)
+
+
+def pack_work(work) -> torch.Tensor:
+    """The scheduled [(sequence, new tokens)] -> one int64 tensor: S, then per row (start, n, length, table
+    length), then every row's new token ids, then every row's block table."""
+    head, ids, tables = [len(work)], [], []
+    for seq, n in work:
+        start = seq.num_computed_tokens
+        head += [start, n, seq.num_tokens, len(seq.block_table)]
+        ids += seq.token_ids[start:start + n]
+        tables += seq.block_table
+    return torch.tensor(head + ids + tables, dtype=torch.int64)
+
+
+def unpack_work(packed: torch.Tensor) -> list[tuple[StepRow, int]]:
+    """pack_work's tensor -> [(StepRow, new tokens)], the work as rank 0 scheduled it."""
+    values = packed.tolist()
+    num = values[0]
+    rows = [values[1 + 4 * i:5 + 4 * i] for i in range(num)]
+    at = 1 + 4 * num
+    work = []
+    id_at, table_at = at, at + sum(n for _, n, _, _ in rows)
+    for start, n, length, table_len in rows:
+        work.append((StepRow(start, length, values[table_at:table_at + table_len], values[id_at:id_at + n]), n))
+        id_at, table_at = id_at + n, table_at + table_len
+    return work
+
+
+# ---- the worker processes -------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker died, failed or did not answer: the engine cannot run a step without it."""
+
+
+class Workers:
+    """Rank 0's handle on ranks 1..N-1: starts them, rings their doorbells, stops them. Holds no reference to the
+    engine, so the engine's finaliser can stop them when the engine goes away."""
+
+    def __init__(self, size: int, device: torch.device, model_dir, options: dict, timeout_s: float = TIMEOUT_S):
+        import multiprocessing as mp
+
+        self.size, self.timeout_s = size, timeout_s
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.failed: str | None = None
+        self.processes, self.conns = [], []
+        ctx = mp.get_context("spawn")
+        for rank in range(1, size):
+            parent_end, child_end = ctx.Pipe()
+            p = ctx.Process(target=worker_main, name=f"tp-worker-{rank}", daemon=True,
+                            args=(rank, size, self.init_method, str(device), model_dir, options, child_end,
+                                  timeout_s))
+            p.start()
+            child_end.close()
+            self.processes.append(p)
+            self.conns.append(parent_end)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def wait_ready(self) -> None:
+        """Every worker has loaded its shard and built its cache (and graphs): wait for each one's word."""
+        for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            self._expect(rank, p, conn, "ready")
+
+    def _expect(self, rank: int, p, conn, word: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if conn.poll(0.1):
+                try:
+                    kind, detail = conn.recv()
+                except EOFError:
+                    break
+                if kind == word:
+                    return
+                self._fail(f"tensor-parallel worker {rank} (pid {p.pid}) failed:\n{detail}")
+            if not p.is_alive():
+                break
+        self.check_alive()
+        self._fail(f"tensor-parallel worker {rank} (pid {p.pid}) did not get {word} within {self.timeout_s:.0f} s")
+
+    def _fail(self, message: str):
+        self.failed = self.failed or message
+        raise WorkerError(message)
+
+    def stop_steps(self, reason: str) -> None:
+        """No step may run any more (the ranks are out of step): every later step raises WorkerError(reason)."""
+        self.failed = self.failed or reason
+
+    def failure(self, wait_s: float) -> str | None:
+        """What a worker reported or how it ended, waiting up to wait_s for it: after rank 0's own build failed (a
+        worker's error usually comes first, and rank 0's collective only saw the connection close). None: none."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
+                try:
+                    if conn.poll(0):
+                        kind, detail = conn.recv()
+                        if kind == "error":
+                            return f"tensor-parallel worker {rank} (pid {p.pid}) failed:\n{detail}"
+                except (EOFError, OSError):
+                    pass
+                if not p.is_alive():
+                    return f"tensor-parallel worker {rank} (pid {p.pid}) died with exit code {p.exitcode}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+
+    def check_alive(self) -> None:
+        """Raise WorkerError if a worker is gone (or failed before): checked before every step."""
+        if self.failed:
+            raise WorkerError(self.failed + " (the engine stopped: shutdown() it and make a new LLM)")
+        for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            if not p.is_alive():
+                why = ""
+                try:
+                    if conn.poll(0):
+                        why = "\n" + str(conn.recv()[1])
+                except (EOFError, OSError):
+                    pass
+                self._fail(f"tensor-parallel worker {rank} (pid {p.pid}) died with exit code {p.exitcode}{why}")
+
+    def start_step(self, tp: TensorParallel, work) -> None:
+        """Ring every doorbell (the size of the step's inputs), then broadcast the inputs: the workers run the same
+        forward as rank 0 from here."""
+        self.check_alive()
+        packed = pack_work(work)
+        try:
+            for conn in self.conns:
+                conn.send(("step", packed.numel()))
+            tp.broadcast_inputs(packed, packed.numel())
+        except Exception as e:  # a pipe or a socket closed under us: a worker went away mid-step
+            self.check_alive()
+            self._fail(f"tensor-parallel step failed: {e}")
+
+    def shutdown(self) -> None:
+        """Stop every worker and wait for it (stop words first, then SIGTERM, then SIGKILL); idempotent."""
+        for conn in self.conns:
+            try:
+                conn.send(("stop", None))
+            except (OSError, ValueError):
+                pass
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        self.failed = self.failed or "the engine was shut down"
+
+
+def worker_main(rank: int, size: int, init_method: str, device: str, model_dir, options: dict, conn,
+                timeout_s: float) -> None:
+    """A worker's life: join the group, build this rank's model runner (the same build as rank 0's, collective for
+    collective), say ready, then run every step rank 0 announces until told to stop or orphaned."""
+    import multiprocessing as mp
+
+    from .engine import build_rank
+
+    try:
+        conn.send(("hello", os.getpid()))
+        device = rank_device(torch.device(device), rank)
+        if device.type == "cpu":  # the ranks share the machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        tp = TensorParallel.connect(rank, size, init_method, device, timeout_s)
+        runner, _, _ = build_rank(model_dir, device, tp, **options)
+        conn.send(("ready", None))
+        parent = mp.parent_process()
+        while True:
+            if not conn.poll(1.0):
+                if parent is not None and not parent.is_alive():
+                    return  # orphaned: the engine's process is gone
+                continue
+            kind, numel = conn.recv()
+            if kind == "stop":
+                tp.close()
+                return
+            work = unpack_work(tp.broadcast_inputs(None, numel))
+            runner.execute(work)
+    except (EOFError, KeyboardInterrupt):
+        return
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        raise SystemExit(1)
+
+
+# ---- what one all-reduce costs on this machine, alone --------------------------------------------------------
+def measure_all_reduce(size: int, device: str, rows: list[int], hidden: int, dtype: torch.dtype,
+                       iters: int = 200) -> dict[int, float]:
+    """Seconds per all-reduce of a [rows, hidden] tensor between `size` fresh processes (spawned for this, in a
+    group of their own: nothing else runs), the median of 5 rounds of `iters` calls, for each rows. On CUDA the
+    ranks are GPUs 0..size-1 (NCCL) and each round ends with a synchronize, so the time is the GPU's."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_all_reduce_probe, daemon=True,
+                         args=(rank, size, init_method, device, rows, hidden, dtype, iters, results))
+             for rank in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        out = results.get(timeout=TIMEOUT_S)
+    finally:
+        for p in procs:
+            p.join(timeout=TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+    if isinstance(out, str):
+        raise WorkerError(f"the all-reduce probe failed:\n{out}")
+    return out
+
+
+def _all_reduce_probe(rank, size, init_method, device, rows, hidden, dtype, iters, results) -> None:
+    import statistics
+
+    import torch.distributed as dist
+
+    try:
+        dev = rank_device(torch.device(device), rank)
+        if dev.type == "cpu":
+            torch.set_num_threads(1)
+        TensorParallel.connect(rank, size, init_method, dev)
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        out = {}
+        for n in rows:
+            x = torch.ones(n, hidden, dtype=dtype, device=dev)
+            for _ in range(10):  # warm-up: connections made, buffers allocated
+                dist.all_reduce(x)
+            rounds = []
+            for _ in range(5):
+                sync()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    dist.all_reduce(x)
+                sync()
+                rounds.append((time.perf_counter() - start) / iters)
+            out[n] = statistics.median(rounds)
+        if rank == 0:
+            results.put(out)
+        dist.destroy_process_group()
+    except BaseException:
+        if rank == 0:
+            results.put(traceback.format_exc())
+        raise
