@@ -1,11 +1,10 @@
-"""step22 demo: tensor parallelism. The model is split over N ranks (this process, the engine, and N - 1 worker
-processes), each holding its share of every layer's heads and MLP columns and of the KV cache, joined by
-torch.distributed: two all-reduces per layer, gloo between CPU processes, NCCL between GPUs.
+"""step23 demo: a streaming engine. AsyncLLM runs the engine's steps in a background thread and hands each request's
+outputs to its caller as its tokens arrive, so many callers of one event loop are served at once.
 
-First the split of one layer, shapes per rank. Then the same requests through tp=1 and tp=N (N: the smallest size
-that splits this model's heads; on CUDA, only sizes the GPUs allow): the same tokens, tokens/s of each, and what the
-collectives carried, counted (all-reduces per forward, bytes all-reduced per token, logits gathered per sampled
-token). Then this engine against step21."""
+Three requests arrive at different times (the second once the first has 4 tokens, the third once it has 8): every
+output is printed as it arrives, with its time, then each request's time to first token and whether its streamed
+text equals the offline engine's. Then one request aborted mid-stream, its KV blocks free at once. Then this engine
+against step22."""
 import sys
 from pathlib import Path
 
@@ -13,147 +12,92 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     __package__ = "steps." + Path(__file__).parent.name
 
+import asyncio
 import time
 
-import torch
-
-from shared import SamplingParams, resolve_model
-from shared.anatomy import QUESTIONS, before_after, demo_options, interpreter_off_cuda, kernel_arg_parser, load_llm
+from shared import SamplingParams
+from shared.anatomy import QUESTIONS, anatomy_arg_parser, before_after, demo_options
 from shared.cli import answer_question, format_table, print_header, user_errors
 
-from .engine import LLM
-from .model import ModelConfig, rank_config
+from .engine import LLM, AsyncLLM
 
 
 def main() -> None:
-    parser = kernel_arg_parser(__doc__)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="ranks of the demo engine itself (default: %(default)s); the lesson compares 1 and N")
-    parser.add_argument("--enforce-eager", action="store_true", help="the demo engine without CUDA graphs")
+    parser = anatomy_arg_parser(__doc__)
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
-        interpreter_off_cuda(args)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                  enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-                  **demo_options(args))
-        print_header("step22: tensor parallelism", llm)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))
+        print_header("step23: a streaming engine", llm)
         answer_question(llm, args)
         show_lesson(llm, args)
-        llm.shutdown()
 
 
 def show_lesson(llm, args) -> None:
-    config = ModelConfig.from_json(resolve_model(args.model) / "config.json")
-    size = split_size(config, llm.device)
-    if smallest_split(config) is not None:
-        show_split(config, size or smallest_split(config), llm)
-    if size is None:
-        print(f"\nOnly tp=1 runs here: {args.model} does not split" if smallest_split(config) is None else
-              f"\nThis machine has {torch.cuda.device_count()} GPU(s) and tensor parallelism needs one GPU per rank, so "
-              "only tp=1 runs here (the NCCL path is the same code as the CPU's gloo path, the collectives on GPUs).")
-        compare_sizes(args, [1])
-    else:
-        compare_sizes(args, [1, size])
-    before_after("step21", "step22", llm, args, attention_backend=llm.model.attention_backend.name)
+    engine = AsyncLLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))
+    try:
+        asyncio.run(show_streams(engine, llm, min(args.lesson_tokens, 16)))
+        asyncio.run(show_abort(engine))
+    finally:
+        engine.shutdown()
+    before_after("step22", "step23", llm, args)
 
 
-def smallest_split(config) -> int | None:
-    """The smallest N > 1 that divides the heads, the KV heads and the MLP width (None: the model does not split)."""
-    return next((n for n in range(2, config.num_kv_heads + 1)
-                 if not (config.num_heads % n or config.num_kv_heads % n or config.intermediate_size % n)), None)
+async def show_streams(engine, llm, tokens: int) -> None:
+    """Three streams, the second and third arriving while the first runs; every output printed as it arrives."""
+    names, questions = "ABC", QUESTIONS[:3]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    start, events, results = time.perf_counter(), [], {}
+    first_tokens = asyncio.Event(), asyncio.Event()  # A has 4 tokens / 8 tokens: B and C arrive
+
+    async def stream(i: int) -> None:
+        if i:
+            await first_tokens[i - 1].wait()
+        arrived = time.perf_counter() - start
+        first = None
+        async for out in engine.generate(prompts[i], params, request_id=names[i]):
+            now = time.perf_counter() - start
+            c = out.outputs[0]
+            first = first if first is not None else now
+            events.append((now, names[i], len(c.token_ids), c.text))
+            if i == 0 and len(c.token_ids) >= 4:
+                first_tokens[0].set()
+            if i == 0 and len(c.token_ids) >= 8:
+                first_tokens[1].set()
+        results[names[i]] = (arrived, first, now, c)
+
+    await asyncio.gather(*(stream(i) for i in range(3)))
+    offline = llm.generate(prompts, params)
+    print(f"\nThree requests, {tokens} new tokens each (greedy), on one event loop; B arrives once A has 4 tokens, C "
+          "once A has 8. Each line is one output as its stream received it (the text it added):")
+    shown = {}
+    for at, name, n, text in events:
+        new, shown[name] = text[len(shown.get(name, "")):], text
+        print(f"  {at * 1000:8.1f} ms  {name}  token {n:2d}  +{new!r}")
+    rows = []
+    for i, name in enumerate(names):
+        arrived, first, end, c = results[name]
+        rows.append([name, f"{arrived * 1000:.1f}", f"{(first - arrived) * 1000:.1f}", len(c.token_ids),
+                     f"{end * 1000:.1f}", "yes" if c.text == offline[i].outputs[0].text else "NO"])
+    print(format_table(["request", "arrived, ms", "time to first token, ms", "tokens", "finished, ms",
+                        "same text as LLM.generate"], rows))
+    print("B and C joined the running batch at the next step: their first tokens came while A streamed on.")
 
 
-def split_size(config, device: torch.device) -> int | None:
-    """The size the lesson compares with tp=1: the smallest split of the model; on CUDA, if the GPUs allow it."""
-    n = smallest_split(config)
-    return n if n is not None and (device.type != "cuda" or n <= torch.cuda.device_count()) else None
-
-
-def show_split(config, size: int, llm) -> None:
-    """One layer's weights and one token's KV cache, whole and per rank (shapes of the matrices x @ W.T reads)."""
-    r, c = rank_config(config, size), config
-    e = llm.dtype.itemsize
-    hd = c.head_dim
-    rows = [
-        ["embed_tokens (vocab-parallel)", f"{c.vocab_size} x {c.hidden_size}",
-         f"{-(-c.vocab_size // size)} x {c.hidden_size}", "1 all-reduce (the rank that holds the id adds it)"],
-        ["qkv_proj (column-parallel)", f"{(c.num_heads + 2 * c.num_kv_heads) * hd} x {c.hidden_size}",
-         f"{(r.num_heads + 2 * r.num_kv_heads) * hd} x {c.hidden_size}",
-         f"none: {r.num_heads} query heads and {r.num_kv_heads} KV head(s) per rank"],
-        ["attention, KV cache per token and layer", f"{2 * c.num_kv_heads * hd * e} bytes",
-         f"{2 * r.num_kv_heads * hd * e} bytes", "none: each rank attends over its own KV heads"],
-        ["o_proj (row-parallel)", f"{c.hidden_size} x {c.num_heads * hd}", f"{c.hidden_size} x {r.num_heads * hd}",
-         "1 all-reduce of [tokens, hidden]"],
-        ["gate_up_proj (column-parallel)", f"{2 * c.intermediate_size} x {c.hidden_size}",
-         f"{2 * r.intermediate_size} x {c.hidden_size}", "none"],
-        ["down_proj (row-parallel)", f"{c.hidden_size} x {c.intermediate_size}",
-         f"{c.hidden_size} x {r.intermediate_size}", "1 all-reduce of [tokens, hidden]"],
-        ["lm_head (vocab-parallel)", f"{c.vocab_size} x {c.hidden_size}",
-         f"{-(-c.vocab_size // size)} x {c.hidden_size}", "gather of the logits on rank 0"],
-    ]
-    per_token = (2 * c.num_layers + 1) * c.hidden_size * e
-    print(f"\nThe split over {size} ranks ({c.num_layers} layers; {str(llm.dtype).replace('torch.', '')} weights):")
-    print(format_table(["weight", "whole", f"per rank (tp={size})", "communication"], rows))
-    print(f"Each token's hidden state is all-reduced {2 * c.num_layers + 1} times per forward (two per layer and the "
-          f"embedding): {per_token} bytes per token ({2 * c.num_layers + 1} x {c.hidden_size} x {e}).")
-
-
-def compare_sizes(args, sizes: list[int]) -> None:
-    """The lesson's requests through each size (a fresh engine each), the outputs against tp=1's."""
-    conversations = [[{"role": "user", "content": q}] for q in (QUESTIONS * (args.requests // len(QUESTIONS) + 1))]
-    conversations = conversations[:args.requests]
-    params = SamplingParams(temperature=0, max_tokens=args.lesson_tokens, ignore_eos=True, logprobs=0)
-    rows, reference = [], None
-    for size in sizes:
-        # no prefix caching: every prompt token is computed, so the bytes per token count every token's all-reduces
-        llm = load_llm("step22", args, tensor_parallel_size=size, attention_backend=args.attention_backend,
-                       enable_prefix_caching=False)
-        llm.chat(conversations[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-        llm.block_manager.reset_prefix_cache()
-        llm.timers.reset()
-        before, forwards, waited = llm.tp.counts(), llm.stats["forwards"], llm.tp.all_reduce_s
-        start = time.perf_counter()
-        outs = llm.chat(conversations, params)
-        wall = time.perf_counter() - start
-        all_reduces, reduced, gathered = (b - a for a, b in zip(before, llm.tp.counts()))
-        forwards, waited = llm.stats["forwards"] - forwards, llm.tp.all_reduce_s - waited
-        steps_ms = 1000 * wall / max(llm.timers.steps, 1)
-        computed = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)  # K/V rows written
-        sampled = sum(len(o.outputs[0].token_ids) for o in outs)
-        llm.shutdown()
-        tokens = [o.outputs[0].token_ids for o in outs]
-        logprobs = [[d[t] for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
-        if reference is None:
-            reference = tokens, logprobs
-            same, diff = "(reference)", ""
-        else:
-            same = "yes" if tokens == reference[0] else "NO"
-            diff = f"{max(abs(a - b) for x, y in zip(logprobs, reference[1]) for a, b in zip(x, y)):.1e}"
-        rows.append([size, llm.tp.backend or "none", f"{sampled / wall:.1f}", same, diff,
-                     f"{all_reduces / forwards:.0f}", f"{reduced / computed:.0f}", f"{gathered / sampled:.0f}",
-                     f"{steps_ms:.1f}", f"{1000 * waited / forwards:.1f}" if llm.device.type == "cpu" else "-"])
-        hidden, layers, device, dtype = llm.model.config.hidden_size, llm.model.config.num_layers, llm.device, llm.dtype
-        del llm
-    print(f"\nThe same {args.requests} requests, {args.lesson_tokens} new tokens each (greedy), one run per size:")
-    print(format_table(["tp", "collectives", "tokens/s", "same as tp=1", "max |dlogprob|", "all-reduces/fwd",
-                        "reduced B/token", "gathered B/token", "ms/step", "ms all-reduce/fwd"], rows))
-    print("(all-reduces/fwd: per forward; reduced B/token: bytes all-reduced per token computed; gathered B/token: "
-          "logit bytes rank 0 received per token sampled; ms all-reduce/fwd: rank 0's time in all-reduce calls, waits "
-          "for the other ranks included)")
-    if len(sizes) > 1:
-        from .parallel import measure_all_reduce
-
-        alone = measure_all_reduce(sizes[-1], str(device), [args.requests], hidden, dtype, iters=50)[args.requests]
-        print(f"Alone (fresh processes, nothing else running), one all-reduce of a [{args.requests}, {hidden}] "
-              f"{str(dtype).replace('torch.', '')} tensor between {sizes[-1]} processes takes {1000 * alone:.2f} ms on "
-              f"this machine (measured now, {'NCCL' if device.type == 'cuda' else 'gloo'}); a decode step makes "
-              f"{2 * layers + 1} of them: {1000 * alone * (2 * layers + 1):.0f} ms of each step is the collectives' "
-              "latency, whatever their bytes.")
-        if device.type == "cpu":
-            print("The answer is the same, and the split is not faster on one machine's CPU: the ranks share its cores "
-                  "and every all-reduce is a round trip between processes. It is what lets a model larger than one "
-                  "device's memory run, and between GPUs joined by NVLink, what spreads a step's weight reads over "
-                  "N devices.")
+async def show_abort(engine) -> None:
+    blocks = engine.llm.block_manager
+    free = blocks.num_free_blocks
+    got = 0
+    async for out in engine.generate("Count slowly from one to a thousand.", SamplingParams(max_tokens=500),
+                                     request_id="long"):
+        got += 1
+        if got == 3:
+            held = blocks.num_free_blocks
+            await engine.abort("long")
+            after = blocks.num_free_blocks
+    print(f"\nAn aborted request: after 3 outputs it held {free - held} KV block(s); `await engine.abort('long')` "
+          f"returned with {free - after} held, and its stream ended with finish_reason={out.outputs[0].finish_reason!r} "
+          f"after {len(out.outputs[0].token_ids)} tokens.")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
-"""step22 demo: tensor parallelism. The model is split over N ranks (this process, the engine, and N - 1 worker
-processes), each holding its share of every layer's heads and MLP columns and of the KV cache, joined by
-torch.distributed: two all-reduces per layer, gloo between CPU processes, NCCL between GPUs.
+"""step24 demo: an OpenAI-compatible server. serve.py puts step23's streaming engine behind FastAPI and uvicorn:
+/v1/completions and /v1/chat/completions (streamed as server-sent events or not), /v1/models, /health.
 
-First the split of one layer, shapes per rank. Then the same requests through tp=1 and tp=N (N: the smallest size
-that splits this model's heads; on CUDA, only sizes the GPUs allow): the same tokens, tokens/s of each, and what the
-collectives carried, counted (all-reduces per forward, bytes all-reduced per token, logits gathered per sampled
-token). Then this engine against step21."""
+The server is started as its own process on a free loopback port (as `python steps/step24/serve.py` starts it). One
+streamed request is shown as it travels on the wire; then bench_serve.py's benchmark runs at two request rates
+(Poisson arrivals, and all at once), and the same requests go through the offline engine in this process, to see
+what serving over HTTP costs. The server is stopped with SIGINT, as Ctrl-C stops it."""
 import sys
 from pathlib import Path
 
@@ -13,147 +12,124 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     __package__ = "steps." + Path(__file__).parent.name
 
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
 import time
 
-import torch
-
-from shared import SamplingParams, resolve_model
-from shared.anatomy import QUESTIONS, before_after, demo_options, interpreter_off_cuda, kernel_arg_parser, load_llm
+from shared import SamplingParams
+from shared.anatomy import anatomy_arg_parser, demo_options
 from shared.cli import answer_question, format_table, print_header, user_errors
 
+from .bench_serve import bench, random_prompts
 from .engine import LLM
-from .model import ModelConfig, rank_config
+
+HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
-    parser = kernel_arg_parser(__doc__)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="ranks of the demo engine itself (default: %(default)s); the lesson compares 1 and N")
-    parser.add_argument("--enforce-eager", action="store_true", help="the demo engine without CUDA graphs")
+    parser = anatomy_arg_parser(__doc__)
+    parser.add_argument("--rate", type=float, default=2.0, help="the lower request rate, per second (default: 2)")
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
-        interpreter_off_cuda(args)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                  enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.requests, 16),
                   **demo_options(args))
-        print_header("step22: tensor parallelism", llm)
+        print_header("step24: an OpenAI-compatible server", llm)
         answer_question(llm, args)
         show_lesson(llm, args)
-        llm.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, port: int) -> subprocess.Popen:
+    """serve.py in its own process, with this demo's engine options; -> once /health answers."""
+    import httpx
+
+    cmd = [sys.executable, str(HERE / "serve.py"), "--model", args.model, "--port", str(port),
+           "--max-num-seqs", str(max(args.requests, 16))]
+    for flag, value in (("--device", args.device), ("--dtype", args.dtype),
+                        ("--gpu-memory-utilization", demo_options(args).get("gpu_memory_utilization"))):
+        if value is not None:
+            cmd += [flag, str(value)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve.py exited with status {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("serve.py did not answer /health within 600 s")
 
 
 def show_lesson(llm, args) -> None:
-    config = ModelConfig.from_json(resolve_model(args.model) / "config.json")
-    size = split_size(config, llm.device)
-    if smallest_split(config) is not None:
-        show_split(config, size or smallest_split(config), llm)
-    if size is None:
-        print(f"\nOnly tp=1 runs here: {args.model} does not split" if smallest_split(config) is None else
-              f"\nThis machine has {torch.cuda.device_count()} GPU(s) and tensor parallelism needs one GPU per rank, so "
-              "only tp=1 runs here (the NCCL path is the same code as the CPU's gloo path, the collectives on GPUs).")
-        compare_sizes(args, [1])
-    else:
-        compare_sizes(args, [1, size])
-    before_after("step21", "step22", llm, args, attention_backend=llm.model.attention_backend.name)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    started = time.perf_counter()
+    server = start_server(args, port)
+    print(f"\nserve.py answered /health after {time.perf_counter() - started:.1f} s: {' '.join(server.args[1:])}")
+    try:
+        show_wire(base, args.model)
+        results = show_benchmark(llm, base, args)
+    finally:
+        server.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn stops, its lifespan shuts the engine down
+        try:
+            code = server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            code = "killed after 60 s"
+    print(f"\nThe server got SIGINT and exited with status {code}.")
+    return results
 
 
-def smallest_split(config) -> int | None:
-    """The smallest N > 1 that divides the heads, the KV heads and the MLP width (None: the model does not split)."""
-    return next((n for n in range(2, config.num_kv_heads + 1)
-                 if not (config.num_heads % n or config.num_kv_heads % n or config.intermediate_size % n)), None)
+def show_wire(base: str, model: str) -> None:
+    """One short streamed chat request, as the bytes arrive: the SSE framing."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    print(f"\nPOST /v1/chat/completions {json.dumps(body)}\nthe response body, line by line (text/event-stream):")
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            pieces = [line[i:i + 110] for i in range(0, len(line), 110)] or [""]
+            print("\n".join(f"  {'' if k == 0 else '    '}{piece}" for k, piece in enumerate(pieces)))
 
 
-def split_size(config, device: torch.device) -> int | None:
-    """The size the lesson compares with tp=1: the smallest split of the model; on CUDA, if the GPUs allow it."""
-    n = smallest_split(config)
-    return n if n is not None and (device.type != "cuda" or n <= torch.cuda.device_count()) else None
-
-
-def show_split(config, size: int, llm) -> None:
-    """One layer's weights and one token's KV cache, whole and per rank (shapes of the matrices x @ W.T reads)."""
-    r, c = rank_config(config, size), config
-    e = llm.dtype.itemsize
-    hd = c.head_dim
-    rows = [
-        ["embed_tokens (vocab-parallel)", f"{c.vocab_size} x {c.hidden_size}",
-         f"{-(-c.vocab_size // size)} x {c.hidden_size}", "1 all-reduce (the rank that holds the id adds it)"],
-        ["qkv_proj (column-parallel)", f"{(c.num_heads + 2 * c.num_kv_heads) * hd} x {c.hidden_size}",
-         f"{(r.num_heads + 2 * r.num_kv_heads) * hd} x {c.hidden_size}",
-         f"none: {r.num_heads} query heads and {r.num_kv_heads} KV head(s) per rank"],
-        ["attention, KV cache per token and layer", f"{2 * c.num_kv_heads * hd * e} bytes",
-         f"{2 * r.num_kv_heads * hd * e} bytes", "none: each rank attends over its own KV heads"],
-        ["o_proj (row-parallel)", f"{c.hidden_size} x {c.num_heads * hd}", f"{c.hidden_size} x {r.num_heads * hd}",
-         "1 all-reduce of [tokens, hidden]"],
-        ["gate_up_proj (column-parallel)", f"{2 * c.intermediate_size} x {c.hidden_size}",
-         f"{2 * r.intermediate_size} x {c.hidden_size}", "none"],
-        ["down_proj (row-parallel)", f"{c.hidden_size} x {c.intermediate_size}",
-         f"{c.hidden_size} x {r.intermediate_size}", "1 all-reduce of [tokens, hidden]"],
-        ["lm_head (vocab-parallel)", f"{c.vocab_size} x {c.hidden_size}",
-         f"{-(-c.vocab_size // size)} x {c.hidden_size}", "gather of the logits on rank 0"],
-    ]
-    per_token = (2 * c.num_layers + 1) * c.hidden_size * e
-    print(f"\nThe split over {size} ranks ({c.num_layers} layers; {str(llm.dtype).replace('torch.', '')} weights):")
-    print(format_table(["weight", "whole", f"per rank (tp={size})", "communication"], rows))
-    print(f"Each token's hidden state is all-reduced {2 * c.num_layers + 1} times per forward (two per layer and the "
-          f"embedding): {per_token} bytes per token ({2 * c.num_layers + 1} x {c.hidden_size} x {e}).")
-
-
-def compare_sizes(args, sizes: list[int]) -> None:
-    """The lesson's requests through each size (a fresh engine each), the outputs against tp=1's."""
-    conversations = [[{"role": "user", "content": q}] for q in (QUESTIONS * (args.requests // len(QUESTIONS) + 1))]
-    conversations = conversations[:args.requests]
-    params = SamplingParams(temperature=0, max_tokens=args.lesson_tokens, ignore_eos=True, logprobs=0)
-    rows, reference = [], None
-    for size in sizes:
-        # no prefix caching: every prompt token is computed, so the bytes per token count every token's all-reduces
-        llm = load_llm("step22", args, tensor_parallel_size=size, attention_backend=args.attention_backend,
-                       enable_prefix_caching=False)
-        llm.chat(conversations[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-        llm.block_manager.reset_prefix_cache()
-        llm.timers.reset()
-        before, forwards, waited = llm.tp.counts(), llm.stats["forwards"], llm.tp.all_reduce_s
-        start = time.perf_counter()
-        outs = llm.chat(conversations, params)
-        wall = time.perf_counter() - start
-        all_reduces, reduced, gathered = (b - a for a, b in zip(before, llm.tp.counts()))
-        forwards, waited = llm.stats["forwards"] - forwards, llm.tp.all_reduce_s - waited
-        steps_ms = 1000 * wall / max(llm.timers.steps, 1)
-        computed = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)  # K/V rows written
-        sampled = sum(len(o.outputs[0].token_ids) for o in outs)
-        llm.shutdown()
-        tokens = [o.outputs[0].token_ids for o in outs]
-        logprobs = [[d[t] for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
-        if reference is None:
-            reference = tokens, logprobs
-            same, diff = "(reference)", ""
-        else:
-            same = "yes" if tokens == reference[0] else "NO"
-            diff = f"{max(abs(a - b) for x, y in zip(logprobs, reference[1]) for a, b in zip(x, y)):.1e}"
-        rows.append([size, llm.tp.backend or "none", f"{sampled / wall:.1f}", same, diff,
-                     f"{all_reduces / forwards:.0f}", f"{reduced / computed:.0f}", f"{gathered / sampled:.0f}",
-                     f"{steps_ms:.1f}", f"{1000 * waited / forwards:.1f}" if llm.device.type == "cpu" else "-"])
-        hidden, layers, device, dtype = llm.model.config.hidden_size, llm.model.config.num_layers, llm.device, llm.dtype
-        del llm
-    print(f"\nThe same {args.requests} requests, {args.lesson_tokens} new tokens each (greedy), one run per size:")
-    print(format_table(["tp", "collectives", "tokens/s", "same as tp=1", "max |dlogprob|", "all-reduces/fwd",
-                        "reduced B/token", "gathered B/token", "ms/step", "ms all-reduce/fwd"], rows))
-    print("(all-reduces/fwd: per forward; reduced B/token: bytes all-reduced per token computed; gathered B/token: "
-          "logit bytes rank 0 received per token sampled; ms all-reduce/fwd: rank 0's time in all-reduce calls, waits "
-          "for the other ranks included)")
-    if len(sizes) > 1:
-        from .parallel import measure_all_reduce
-
-        alone = measure_all_reduce(sizes[-1], str(device), [args.requests], hidden, dtype, iters=50)[args.requests]
-        print(f"Alone (fresh processes, nothing else running), one all-reduce of a [{args.requests}, {hidden}] "
-              f"{str(dtype).replace('torch.', '')} tensor between {sizes[-1]} processes takes {1000 * alone:.2f} ms on "
-              f"this machine (measured now, {'NCCL' if device.type == 'cuda' else 'gloo'}); a decode step makes "
-              f"{2 * layers + 1} of them: {1000 * alone * (2 * layers + 1):.0f} ms of each step is the collectives' "
-              "latency, whatever their bytes.")
-        if device.type == "cpu":
-            print("The answer is the same, and the split is not faster on one machine's CPU: the ranks share its cores "
-                  "and every all-reduce is a round trip between processes. It is what lets a model larger than one "
-                  "device's memory run, and between GPUs joined by NVLink, what spreads a step's weight reads over "
-                  "N devices.")
+def show_benchmark(llm, base: str, args) -> list[dict]:
+    """bench_serve at --rate and at saturation, then the same requests through the offline engine."""
+    prompts, output_len = random_prompts(args.requests, 64), args.lesson_tokens
+    rows, results = [], []
+    for rate in (args.rate, float("inf")):
+        r = asyncio.run(bench(base, args.model, rate, prompts, output_len))
+        results.append(r)
+        if r["failed"]:
+            raise RuntimeError(f"{r['failed']} request(s) failed at rate {rate}: {r['errors']}")
+        rows.append([r["request_rate"], f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}",
+                     *(f"{r[k]['mean']:.1f} / {r[k]['p99']:.1f}" for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))])
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    offline = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+    print(f"\n{args.requests} requests, prompts of 64 random tokens, {output_len} new tokens each (greedy, "
+          "streamed): bench_serve.py at two request rates (Poisson arrivals; inf: all at once). Latencies in ms, "
+          "mean / p99:")
+    print(format_table(["rate, req/s", "requests/s", "output tokens/s", "TTFT", "TPOT", "ITL", "E2E"], rows))
+    saturated = results[-1]["output_throughput"]
+    print(f"Offline, the same requests through LLM.generate in this process: {offline:.1f} output tokens/s. At "
+          f"saturation the server made {saturated:.1f}: {saturated / offline:.2f}x the offline engine.")
+    return results
 
 
 if __name__ == "__main__":

@@ -337,6 +337,7 @@ def engine_arg_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-kv-tokens", type=int, default=None, help="the KV pool (default: the engine's)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
     return parser
@@ -346,7 +347,7 @@ def engine_options(args) -> dict:
     return dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_kv_tokens=args.max_kv_tokens,
                 kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def main() -> None:
