@@ -104,6 +104,8 @@ step("step19", 6, adds=("fused_kernels",))
 step("step20", 6, adds=("int8_kv",))
 step("step21", 7, adds=("cuda_graphs",))
 step("step22", 7, adds=("tensor_parallel",))
+step("step23", 8, adds=("async_engine",))
+step("step24", 8, adds=("openai_server",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}

@@ -1,0 +1,208 @@
+"""step23: the streaming engine. AsyncLLM runs the steps in its own thread and streams each request's outputs.
+
+- Streamed text == offline text (greedy), stop strings and logprobs included, with 16 streams at once; every
+  stream's texts only grow, one output per token.
+- abort() frees the request's blocks before it returns; a consumer that breaks or is cancelled aborts its request.
+- A step that fails ends every stream it served with EngineStepError, and the engine serves the next requests.
+- Steps run on the engine's thread only, never on the event loop's.
+- Bad requests, a request id in use, a shut-down engine: errors that name the problem.
+"""
+import asyncio
+import threading
+import time
+
+import pytest
+
+from helpers import load_engine
+from registry import introducing
+from shared import SamplingParams
+
+ASYNC = introducing("async_engine")
+MODEL = "random:tiny-llama"
+OPTIONS = dict(device="cpu", dtype="float32", max_kv_tokens=4096, max_num_seqs=16)
+
+
+def engine_module():
+    return load_engine(ASYNC)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return engine_module().LLM(MODEL, **OPTIONS)
+
+
+@pytest.fixture
+def engine():
+    engine = engine_module().AsyncLLM(MODEL, **OPTIONS)
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine, prompt, params, request_id=None):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def wait_until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_sixteen_streams_equal_the_offline_engine(engine, offline):
+    prompts = [f"Request {i}: tell me about the number {i * 7}" for i in range(16)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=i % 2 == 0, logprobs=1 if i % 3 == 0 else None,
+                             stop=[" the", "e"] if i % 4 == 1 else None) for i in range(16)]
+    ref = offline.generate(prompts, params)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, sp, f"s{i}") for i, (p, sp) in enumerate(zip(prompts, params))))
+
+    streams = asyncio.run(main())
+    assert any(r.outputs[0].finish_reason == "stop" and r.outputs[0].stop_reason is not None for r in ref)
+    for i, (outs, r) in enumerate(zip(streams, ref)):
+        last, want = outs[-1].outputs[0], r.outputs[0]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1]), i
+        assert (last.text, last.token_ids, last.finish_reason) == (want.text, want.token_ids, want.finish_reason), i
+        assert last.logprobs == want.logprobs, i
+        assert len(outs) == len(want.token_ids), i  # one output per token
+        texts = [o.outputs[0].text for o in outs]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), f"stream {i}: a text shrank: {texts}"
+        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, len(want.token_ids) + 1))
+
+
+def test_a_stop_string_across_two_tokens_never_takes_back_text_already_streamed(engine, offline):
+    """The stop string is the end of one token's text and the start of the next's: after the first token a stream
+    without the hold-back would have sent half the stop string, which the final text then cuts."""
+    prompt, free = "the hold-back", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = offline.generate([prompt], free)[0].outputs[0].token_ids
+    pieces = [offline.tokenizer.decode(tokens[:k]) for k in range(len(tokens) + 1)]
+    k = next(k for k in range(2, len(tokens)) if len(pieces[k]) - len(pieces[k - 1]) >= 2
+             and len(pieces[k + 1]) - len(pieces[k]) >= 2)
+    stop = pieces[k][-2:] + pieces[k + 1][len(pieces[k]):len(pieces[k]) + 2]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    want = offline.generate([prompt], params)[0].outputs[0]
+    assert want.stop_reason == stop
+    outs = asyncio.run(collect(engine, prompt, params))
+    texts = [o.outputs[0].text for o in outs]
+    assert texts[-1] == want.text
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), f"a streamed text was taken back: {texts}"
+
+
+def test_steps_run_on_the_engines_thread_never_on_the_event_loop(engine):
+    threads = set()
+    step = engine.llm.step
+
+    def recording_step(*args, **kwargs):
+        threads.add(threading.current_thread())
+        return step(*args, **kwargs)
+
+    engine.llm.step = recording_step
+
+    async def main():
+        loop_thread = threading.current_thread()
+        await asyncio.gather(*(collect(engine, f"hello {i}", SamplingParams(max_tokens=5)) for i in range(4)))
+        return loop_thread
+
+    loop_thread = asyncio.run(main())
+    assert threads == {engine._thread} and loop_thread not in threads
+
+
+def test_abort_frees_the_blocks_before_it_returns(engine):
+    blocks = engine.llm.block_manager
+    free = blocks.num_free_blocks
+
+    async def main():
+        outs = []
+        async for out in engine.generate("a long one", SamplingParams(max_tokens=1000, ignore_eos=True), "long"):
+            outs.append(out)
+            if len(outs) == 3:
+                held = blocks.num_free_blocks
+                assert await engine.abort("long") is True
+                assert blocks.num_free_blocks == free  # at once: the loop thread freed them before answering
+        assert await engine.abort("long") is False  # gone already
+        return held, outs
+
+    held, outs = asyncio.run(main())
+    assert held < free
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert not engine.llm.has_unfinished_requests() and engine.stats["aborted"] == 1
+
+
+@pytest.mark.parametrize("how", ["break", "cancel"])
+def test_a_consumer_that_stops_early_aborts_its_request(engine, how):
+    blocks = engine.llm.block_manager
+    free = blocks.num_free_blocks
+    got = []
+
+    async def consume():
+        async for out in engine.generate("stop reading me", SamplingParams(max_tokens=1000, ignore_eos=True)):
+            got.append(out)
+            if how == "break" and len(got) == 3:
+                break
+
+    async def main():
+        if how == "break":
+            await consume()
+        else:
+            task = asyncio.create_task(consume())
+            while len(got) < 3:
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    wait_until(lambda: not engine.llm.has_unfinished_requests())
+    assert blocks.num_free_blocks == free and engine.stats["aborted"] == 1
+    assert len(got[-1].outputs[0].token_ids) < 1000
+
+
+def test_a_failed_step_reaches_every_stream_and_the_engine_goes_on(engine, offline):
+    module = engine_module()
+    execute, calls = engine.llm.runner.execute, []
+
+    def failing(work):
+        calls.append(len(work))
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return execute(work)
+
+    engine.llm.runner.execute = failing
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, f"stream {i}", params) for i in range(4)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, module.EngineStepError) and "injected failure" in str(r) for r in results), results
+    assert engine.stats["failed_steps"] == 1 and not engine.llm.has_unfinished_requests()
+    assert engine.llm.block_manager.num_free_blocks == engine.llm.block_manager.num_blocks
+    again = asyncio.run(collect(engine, "stream 0", params))  # the engine serves the next request
+    assert again[-1].outputs[0].text == offline.generate(["stream 0"], params)[0].outputs[0].text
+
+
+def test_bad_requests_and_a_shut_down_engine(engine):
+    module = engine_module()
+
+    async def main():
+        bad = SamplingParams(max_tokens=2)
+        bad.temperature = -1  # changed after construction: checked again when submitted
+        with pytest.raises(ValueError, match="temperature must be"):
+            await collect(engine, "x", bad)
+        long = engine.generate("x", SamplingParams(max_tokens=1000, ignore_eos=True), "same")
+        await long.__anext__()
+        with pytest.raises(ValueError, match="request_id 'same' is already running"):
+            await collect(engine, "y", SamplingParams(max_tokens=2), "same")
+        with pytest.raises(ValueError, match="exceeds the model's context"):
+            await collect(engine, "x", SamplingParams(max_tokens=10_000))
+        # shutdown ends the open stream with EngineShutDown, and nothing is served after it
+        threading.Thread(target=engine.shutdown).start()
+        with pytest.raises(module.EngineShutDown):
+            async for _ in long:
+                pass
+        with pytest.raises(module.EngineShutDown):
+            await collect(engine, "z", SamplingParams(max_tokens=2))
+
+    asyncio.run(main())
+    assert not engine._thread.is_alive()
