@@ -1,0 +1,304 @@
+"""step24: the OpenAI-compatible server, on 127.0.0.1 and a free port, talked to by the official `openai` client.
+
+- Completions and chat, streamed and not, give the offline engine's text (greedy) and the right usage; 16 clients
+  streaming at once all get theirs.
+- Each bad request gets its status and an OpenAI-shaped error body, and the server goes on serving; unknown fields
+  are ignored and named; the API key is enforced.
+- A client that disconnects (mid-stream, or while waiting for a whole answer) aborts its request: no block leaks.
+- An injected step failure reaches the client (an error event, a 500) and the next request is served.
+- serve.py as a command: it starts, answers, and stops cleanly on SIGINT; bench_serve.py's metrics add up.
+Every server here is stopped by its test or fixture; every call has a timeout.
+"""
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import load_engine, step_module
+from registry import introducing
+from shared import SamplingParams
+
+SERVER = introducing("openai_server")
+MODEL, NAME = "random:tiny-llama", "tiny"
+OPTIONS = dict(device="cpu", dtype="float32", max_kv_tokens=4096, max_num_seqs=16)
+ROOT = Path(__file__).resolve().parents[1]
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """build_app(AsyncLLM) under uvicorn in a thread of this process: a real server on a real port, whose engine the
+    test can look into."""
+
+    def __init__(self, api_key=None):
+        import uvicorn
+
+        serve = step_module(SERVER, "serve")
+        self.engine = load_engine(SERVER).AsyncLLM(MODEL, **OPTIONS)
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(serve.build_app(self.engine, NAME, api_key), host="127.0.0.1", port=self.port,
+                                log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the server did not stop"
+        assert not self.engine._thread.is_alive(), "the server's shutdown did not stop the engine"
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.base}/stats", timeout=10).json()
+
+    def wait_idle(self, timeout=15.0) -> dict:
+        """Until no request runs or waits and every KV block is free (a leak never gets there)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if s["running"] == s["waiting"] == 0 and s["free_blocks"] == s["num_blocks"]:
+                return s
+            assert time.monotonic() < deadline, f"not idle: {s}"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RunningServer()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return load_engine(SERVER).LLM(MODEL, **OPTIONS)
+
+
+def client(server, **kwargs):
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", timeout=60, max_retries=0, **kwargs)
+
+
+def test_the_openai_client_gets_the_offline_engines_text(server, offline):
+    c = client(server)
+    prompt, sp = "The capital of France is", SamplingParams(temperature=0, max_tokens=12)
+    want = offline.generate([prompt], sp)[0]
+    r = c.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == want.outputs[0].text and r.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids),
+                                                                  len(want.outputs[0].token_ids))
+    chunks = list(c.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == len(want.outputs[0].token_ids) and not chunks[-1].choices
+    # token ids as the prompt, and logprobs
+    r = c.completions.create(model=NAME, prompt=want.prompt_token_ids, max_tokens=12, temperature=0, logprobs=2)
+    assert r.choices[0].text == want.outputs[0].text and len(r.choices[0].logprobs.token_logprobs) == 12
+    # chat, with a stop string
+    messages = [{"role": "user", "content": "Name three primary colors."}]
+    sp = SamplingParams(temperature=0, max_tokens=16, stop=["e"])
+    want = offline.chat([messages], sp)[0].outputs[0]
+    r = c.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0, stop=["e"])
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == want.finish_reason
+    assert r.choices[0].message.role == "assistant"
+    stream = c.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0, stop=["e"],
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    models = c.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    server.wait_idle()
+
+
+def test_sixteen_clients_streaming_at_once_all_get_their_text(server, offline):
+    prompts = [f"Client {i} asks about {i * 11}" for i in range(16)]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].text for o in offline.generate(prompts, sp)]
+
+    async def one(c, prompt):
+        stream = await c.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+        return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="none", timeout=120, max_retries=0)
+        return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    assert asyncio.run(main()) == want
+    server.wait_idle()
+
+
+BAD = [  # (body or raw bytes, status, code, a fragment of the message)
+    (b"{not json", 400, None, "malformed JSON"),
+    (b"[1, 2]", 400, None, "must be a JSON object"),
+    ({"model": NAME, "prompt": "x", "temperature": -1}, 400, None, "temperature must be a finite number >= 0"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 0}, 400, None, "max_tokens must be an integer >= 1"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 5000}, 400, "context_length_exceeded", "exceeds the model's context"),
+    ({"model": NAME, "prompt": "word " * 3000}, 400, "context_length_exceeded", "exceeds the model's context"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model_not_found", "does not exist"),
+    ({"prompt": "x"}, 400, None, "model is required"),
+    ({"model": NAME}, 400, None, "prompt is required"),
+    ({"model": NAME, "prompt": "x", "n": 2}, 400, None, "n=2"),
+    ({"model": NAME, "prompt": "x", "echo": True}, 400, None, "echo=True is not supported"),
+    ({"model": NAME, "prompt": "x", "frequency_penalty": 0.5}, 400, None, "frequency_penalty=0.5 is not supported"),
+    ({"model": NAME, "prompt": ["a", "b"]}, 400, None, "one prompt per request"),
+    ({"model": NAME, "prompt": "x", "stop": 5}, 400, None, "stop must be"),
+    ({"model": NAME, "prompt": "x", "logprobs": -1}, 400, None, "logprobs must be"),
+]
+
+
+@pytest.mark.parametrize("body,status,code,fragment", BAD)
+def test_a_bad_request_gets_its_status_and_an_openai_error_body(server, body, status, code, fragment):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server.base}/v1/completions", content=raw, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
+    assert fragment in error["message"], error
+    assert httpx.get(f"{server.base}/health", timeout=10).status_code == 200  # and the server goes on
+
+
+def test_bad_chat_requests_and_unknown_fields(server, offline):
+    for messages, fragment in (([], "conversations"), ([{"role": "robot", "content": "hi"}], "role"),
+                               ([{"content": "hi"}], "role")):
+        r = httpx.post(f"{server.base}/v1/chat/completions", json={"model": NAME, "messages": messages}, timeout=30)
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+    # a field this server does not know is ignored (vLLM's way), and named in a header
+    r = httpx.post(f"{server.base}/v1/completions", timeout=30,
+                   json={"model": NAME, "prompt": "hi", "max_tokens": 3, "temperature": 0, "my_field": 1, "user": "u"})
+    assert r.status_code == 200 and r.headers["x-ignored-fields"] == "my_field"
+    assert r.json()["choices"][0]["text"] == offline.generate(["hi"], SamplingParams(temperature=0, max_tokens=3))[
+        0].outputs[0].text
+
+
+def test_the_api_key_is_required_when_set():
+    s = RunningServer(api_key="sekret")
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.post(f"{s.base}/v1/completions", json={"model": NAME, "prompt": "x"}, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(f"{s.base}/v1/models", headers=headers, timeout=30).status_code == 401
+        assert httpx.get(f"{s.base}/health", timeout=30).status_code == 200  # health needs no key
+        c = openai.OpenAI(base_url=f"{s.base}/v1", api_key="sekret", timeout=60, max_retries=0)
+        assert c.completions.create(model=NAME, prompt="x", max_tokens=2).choices[0].text is not None
+    finally:
+        s.stop()
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    before = server.engine.stats["aborted"]
+    body = {"model": NAME, "prompt": "go on and on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # three events (and their blank lines), then the client goes away
+    assert sum(line.startswith("data: ") for line in got) == 3
+    s = server.wait_idle()
+    assert s["aborted"] == before + 1
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_blocks(server):
+    before = server.engine.stats["aborted"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base}/v1/completions", timeout=1.0,
+                   json={"model": NAME, "prompt": "a long answer", "max_tokens": 2000, "ignore_eos": True})
+    s = server.wait_idle()
+    assert s["aborted"] == before + 1
+
+
+def test_an_injected_step_failure_reaches_the_client_and_the_server_goes_on(server, offline):
+    runner = server.engine.llm.runner
+    execute, calls = runner.execute, []
+
+    def failing(work):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return execute(work)
+
+    runner.execute = failing
+    try:
+        with httpx.stream("POST", f"{server.base}/v1/completions", timeout=30,
+                          json={"model": NAME, "prompt": "x", "max_tokens": 20, "ignore_eos": True, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and "injected failure" in events[-2], events
+        assert json.loads(events[-2][len("data: "):])["error"]["type"] == "server_error"
+        calls.clear()
+        r = httpx.post(f"{server.base}/v1/completions", timeout=30,
+                       json={"model": NAME, "prompt": "x", "max_tokens": 20, "ignore_eos": True})
+        assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+    finally:
+        runner.execute = execute
+    r = httpx.post(f"{server.base}/v1/completions", timeout=30,
+                   json={"model": NAME, "prompt": "x", "max_tokens": 5, "temperature": 0})
+    assert r.json()["choices"][0]["text"] == offline.generate(["x"], SamplingParams(temperature=0, max_tokens=5))[
+        0].outputs[0].text
+    server.wait_idle()
+
+
+def test_bench_serve_measures_what_the_server_served(server):
+    bench = step_module(SERVER, "bench_serve")
+    prompts = bench.random_prompts(6, 16, seed=3)
+    r = asyncio.run(bench.bench(server.base, NAME, float("inf"), prompts, 5))
+    assert (r["completed"], r["failed"], r["output_tokens"]) == (6, 0, 30)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        m = r[key]
+        assert 0 < m["p50"] <= m["p90"] <= m["p99"] and m["mean"] > 0, (key, m)
+    assert r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
+    assert r["output_throughput"] == pytest.approx(30 / r["duration_s"])
+    bad = asyncio.run(bench.bench(server.base, "not-served", float("inf"), prompts[:2], 5))
+    assert bad["failed"] == 2 and "HTTP 404" in bad["errors"][0]
+
+
+def test_serve_py_starts_answers_and_stops_on_sigint():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, f"steps/{SERVER}/serve.py", "--model", MODEL, "--port", str(port),
+                             "--device", "cpu", "--max-kv-tokens", "1024"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "serve.py did not start"
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert f"serving {MODEL} on http://127.0.0.1:{port}/v1" in proc.stdout.read()
+
+
+def test_serve_py_refuses_bad_options_in_one_line():
+    proc = subprocess.run([sys.executable, f"steps/{SERVER}/serve.py", "--model", MODEL, "--device", "cpu",
+                           "--max-num-seqs", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and "max_num_seqs must be" in errors[0], proc.stderr[-2000:]
