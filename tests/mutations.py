@@ -238,6 +238,18 @@ MUTATIONS = [
         "        return self.tp.all_reduce(down)  # row-parallel, like o_proj: one all-reduce",
         "        return down  # row-parallel, like o_proj: one all-reduce",
         ("tests/test_part7_tp.py::test_tp2_equals_tp1_with_preemption_and_prefix_caching[random:tiny-llama]",)),
+    Mutation(
+        "step23-no-stop-holdback", "step23's partial outputs send all their text, a stop string's first half included",
+        "steps/step23/sequence.py",
+        "        hold = max(map(len, self.params.stop), default=1) - 1 if self.params.stop else 0",
+        "        hold = 0",
+        ("tests/test_part8_stream.py::test_a_stop_string_across_two_tokens_never_takes_back_text_already_streamed",)),
+    Mutation(
+        "step24-gone-client-not-aborted", "step24's engine lets a request run on after its caller stopped reading",
+        "steps/step24/engine.py",
+        "            if not finished:  # the caller stopped early (break, cancel, an error): the request must not run on",
+        "            if False:  # the caller stopped early (break, cancel, an error): the request must not run on",
+        ("tests/test_part8_server.py::test_a_client_that_disconnects_mid_stream_frees_its_blocks",)),
 ]
 
 

@@ -1,0 +1,105 @@
+"""The serving table of step24's chapter: serve.py started on a free loopback port, bench_serve.py's requests at
+several rates against it, then the same requests through the offline engine, in one call.
+
+    python docs/data/bench_serving.py --model smollm2-135m --rates 1 2 4 inf --num-prompts 32 --input-len 64 \\
+        --output-len 32 --out docs/data/raw/cpu_step24_serving.jsonl
+
+One JSON line per rate (bench_serve.py's), then one line {"offline": ...}: the offline engine's output tokens/s on
+the same requests (LLM.generate, all at once, after a warm-up), and the server at saturation (the last rate) over it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from steps.step24.bench_serve import bench, random_prompts, rate_arg  # noqa: E402
+from steps.step24.run import free_port  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default=None)
+    p.add_argument("--rates", type=rate_arg, nargs="+", default=[1.0, 2.0, 4.0, math.inf])
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.45, help="each engine's share on a GPU")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, str(ROOT / "steps/step24/serve.py"), "--model", args.model, "--port", str(port),
+           "--max-num-seqs", str(args.max_num_seqs), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.device:
+        cmd += ["--device", args.device]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"serve.py exited: {server.stdout.read()[-3000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("serve.py did not start within 600 s")
+            time.sleep(0.2)
+        prompts = random_prompts(args.num_prompts, args.input_len)
+        asyncio.run(bench(f"http://127.0.0.1:{port}", args.model, math.inf, prompts[:2], 4))  # warm-up
+        for rate in args.rates:
+            result = asyncio.run(bench(f"http://127.0.0.1:{port}", args.model, rate, prompts, args.output_len))
+            result["command"] = " ".join(sys.argv)
+            lines.append(result)
+            print(json.dumps(result), flush=True)
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    from shared import SamplingParams
+    from steps.step24.engine import LLM
+
+    llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True))
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    offline = {"offline": {"output_throughput": tokens / wall, "output_tokens": tokens, "wall_s": wall,
+                           "device": str(llm.device), "backend": llm.backend},
+               "server_at_saturation_over_offline": lines[-1]["output_throughput"] / (tokens / wall)}
+    lines.append(offline)
+    print(json.dumps(offline), flush=True)
+    args.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    from shared.cli import format_table
+
+    ms = lambda m: f"{m['mean']:.1f} / {m['p50']:.1f} / {m['p99']:.1f}"  # noqa: E731
+    rows = [[r["request_rate"], r["completed"], f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}",
+             ms(r["ttft_ms"]), ms(r["tpot_ms"]), ms(r["itl_ms"]), ms(r["e2e_ms"])] for r in lines[:-1]]
+    print(f"\n{args.model} on {llm.device}: {args.num_prompts} requests, {args.input_len} prompt tokens and "
+          f"{args.output_len} new tokens each; latencies in ms, mean / p50 / p99")
+    print(format_table(["rate, req/s", "done", "requests/s", "output tokens/s", "TTFT", "TPOT", "ITL", "E2E"], rows))
+    print(f"offline engine, the same requests: {tokens / wall:.1f} output tokens/s; the server at saturation: "
+          f"{lines[-2]['output_throughput']:.1f}, {offline['server_at_saturation_over_offline']:.2f}x the offline")
+
+
+if __name__ == "__main__":
+    main()
