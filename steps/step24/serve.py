@@ -80,8 +80,9 @@ def parse_body(raw: bytes) -> tuple[dict, list[str]]:
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     for name, default in UNSUPPORTED.items():
-        if body.get(name, default) not in (default, None) and name in body:
-            raise APIError(400, f"{name}={body[name]!r} is not supported by this server", param=name)
+        value = body.get(name, default)
+        if value not in (default, None) and value != [] and value != {}:  # only a default (or empty) value passes
+            raise APIError(400, f"{name}={value!r} is not supported by this server", param=name)
     if body.get("n", 1) != 1:
         raise APIError(400, f"n={body['n']!r}: this server returns one choice per request (n=1)", param="n")
     ignored = sorted(set(body) - KNOWN - set(UNSUPPORTED))
