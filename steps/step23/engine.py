@@ -160,8 +160,7 @@ def start_tensor_parallel(size: int, device: torch.device, model_dir, options: d
                            "(torch.distributed holds one group per process)")
     workers = Workers(size, device, model_dir, options)
     try:
-        for rank, (p, conn) in enumerate(zip(workers.processes, workers.conns), start=1):
-            workers._expect(rank, p, conn, "hello")  # it started (imports done) and is joining the group
+        workers.wait_started()
         tp = TensorParallel.connect(0, size, workers.init_method, rank_device(device, 0), workers.timeout_s)
     except BaseException:
         workers.shutdown()

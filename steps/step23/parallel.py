@@ -23,8 +23,9 @@ one int64 tensor (pack_work: each row's start, new tokens, length, block table).
 (StepRow) and calls its own model runner's execute, exactly what rank 0 runs; the collectives inside the forward
 meet rank 0's.
 
-A worker exits when the engine stops it (shutdown), when its parent process is gone (it checks every second while
-idle), or on an error (after sending the traceback to rank 0). Rank 0 checks its workers are alive before every
+A worker exits when the engine stops it (shutdown), when its parent process is gone (the pipe from rank 0 closes
+with the process that held its other end, however that process ended), or on an error (after sending the
+traceback to rank 0). Rank 0 checks its workers are alive before every
 step, and every collective has a timeout: a dead worker is an error on rank 0, not a hang.
 """
 from __future__ import annotations
@@ -70,10 +71,14 @@ def vocab_rows(vocab_size: int, size: int) -> int:
     return -(-vocab_size // size)
 
 
+def is_vocab_parallel(name: str) -> bool:
+    return "embed_tokens" in name or name.startswith("lm_head")
+
+
 def shard(name: str, full_shape, rank: int, size: int):
     """Which part of the checkpoint tensor `name` rank `rank` of `size` holds: (dim, start, stop), or None when
     every rank holds all of it (the norms)."""
-    if "embed_tokens" in name or name.startswith("lm_head"):
+    if is_vocab_parallel(name):
         rows = vocab_rows(full_shape[0], size)
         return 0, min(rank * rows, full_shape[0]), min((rank + 1) * rows, full_shape[0])
     column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows: whole heads (the MLP: evenly)
@@ -107,7 +112,7 @@ def load_shard(files, rank: int, size: int, device: torch.device, dtype: torch.d
                     tensor = part[cut[1]:cut[2]]
                 else:
                     tensor = part[:, cut[1]:cut[2]]
-                if cut is not None and cut[0] == 0 and ("embed_tokens" in name or name.startswith("lm_head")):
+                if cut is not None and is_vocab_parallel(name):
                     rows = vocab_rows(full_shape[0], size)
                     if tensor.shape[0] < rows:  # the last rank's share: zero rows past the vocab
                         tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
@@ -297,10 +302,17 @@ class Workers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
+    def wait_started(self) -> None:
+        """Every worker has started (its imports done) and is joining the group: wait for each one's word."""
+        self._wait_all("hello")
+
     def wait_ready(self) -> None:
         """Every worker has loaded its shard and built its cache (and graphs): wait for each one's word."""
+        self._wait_all("ready")
+
+    def _wait_all(self, word: str) -> None:
         for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
-            self._expect(rank, p, conn, "ready")
+            self._expect(rank, p, conn, word)
 
     def _expect(self, rank: int, p, conn, word: str) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -346,18 +358,12 @@ class Workers:
             time.sleep(0.1)
 
     def check_alive(self) -> None:
-        """Raise WorkerError if a worker is gone (or failed before): checked before every step."""
+        """Raise WorkerError if a worker is gone or failed (or did before): checked before every step."""
         if self.failed:
             raise WorkerError(self.failed + " (the engine stopped: shutdown() it and make a new LLM)")
-        for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
-            if not p.is_alive():
-                why = ""
-                try:
-                    if conn.poll(0):
-                        why = "\n" + str(conn.recv()[1])
-                except (EOFError, OSError):
-                    pass
-                self._fail(f"tensor-parallel worker {rank} (pid {p.pid}) died with exit code {p.exitcode}{why}")
+        failure = self.failure(wait_s=0)
+        if failure:
+            self._fail(failure)
 
     def start_step(self, tp: TensorParallel, work) -> None:
         """Ring every doorbell (the size of the step's inputs), then broadcast the inputs: the workers run the same
@@ -397,8 +403,6 @@ def worker_main(rank: int, size: int, init_method: str, device: str, model_dir, 
                 timeout_s: float) -> None:
     """A worker's life: join the group, build this rank's model runner (the same build as rank 0's, collective for
     collective), say ready, then run every step rank 0 announces until told to stop or orphaned."""
-    import multiprocessing as mp
-
     from .engine import build_rank
 
     try:
@@ -409,13 +413,8 @@ def worker_main(rank: int, size: int, init_method: str, device: str, model_dir, 
         tp = TensorParallel.connect(rank, size, init_method, device, timeout_s)
         runner, _, _ = build_rank(model_dir, device, tp, **options)
         conn.send(("ready", None))
-        parent = mp.parent_process()
         while True:
-            if not conn.poll(1.0):
-                if parent is not None and not parent.is_alive():
-                    return  # orphaned: the engine's process is gone
-                continue
-            kind, numel = conn.recv()
+            kind, numel = conn.recv()  # the doorbell; EOFError once rank 0's process is gone
             if kind == "stop":
                 tp.close()
                 return
