@@ -63,7 +63,13 @@ def main() -> None:
         prompts = random_prompts(args.num_prompts, args.input_len)
         asyncio.run(bench(f"http://127.0.0.1:{port}", args.model, math.inf, prompts[:2], 4))  # warm-up
         for rate in args.rates:
+            before = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).json()
             result = asyncio.run(bench(f"http://127.0.0.1:{port}", args.model, rate, prompts, args.output_len))
+            after = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).json()
+            # the server's engine during this rate: its steps and its time by phase (the rest of the wall time is
+            # spent outside the engine's steps: waiting for requests, or on the event loop's side of the GIL)
+            result["server_steps"] = after["steps"] - before["steps"]
+            result["server_phase_s"] = {k: v - before["phase_s"][k] for k, v in after["phase_s"].items()}
             result["command"] = " ".join(sys.argv)
             lines.append(result)
             print(json.dumps(result), flush=True)
@@ -79,11 +85,13 @@ def main() -> None:
     llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    steps, llm.timers.seconds = llm.timers.steps, dict.fromkeys(llm.timers.seconds, 0.0)
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True))
     wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     offline = {"offline": {"output_throughput": tokens / wall, "output_tokens": tokens, "wall_s": wall,
+                           "steps": llm.timers.steps - steps, "phase_s": dict(llm.timers.seconds),
                            "device": str(llm.device), "backend": llm.backend},
                "server_at_saturation_over_offline": lines[-1]["output_throughput"] / (tokens / wall)}
     lines.append(offline)
@@ -99,6 +107,13 @@ def main() -> None:
     print(format_table(["rate, req/s", "done", "requests/s", "output tokens/s", "TTFT", "TPOT", "ITL", "E2E"], rows))
     print(f"offline engine, the same requests: {tokens / wall:.1f} output tokens/s; the server at saturation: "
           f"{lines[-2]['output_throughput']:.1f}, {offline['server_at_saturation_over_offline']:.2f}x the offline")
+    sat, off = lines[-2], offline["offline"]
+    print(f"at saturation the server's engine ran {sat['server_steps']} steps in {sat['duration_s']:.2f} s, "
+          f"{sum(sat['server_phase_s'].values()):.2f} s of them in its phases; offline: {off['steps']} steps in "
+          f"{off['wall_s']:.2f} s, {sum(off['phase_s'].values()):.2f} s in phases")
+    for k in off["phase_s"]:
+        print(f"  {k:<16} server {1000 * sat['server_phase_s'][k] / max(sat['server_steps'], 1):8.2f} ms/step   "
+              f"offline {1000 * off['phase_s'][k] / max(off['steps'], 1):8.2f} ms/step")
 
 
 if __name__ == "__main__":
