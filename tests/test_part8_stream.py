@@ -1,7 +1,8 @@
 """step23: the streaming engine. AsyncLLM runs the steps in its own thread and streams each request's outputs.
 
 - Streamed text == offline text (greedy), stop strings and logprobs included, with 16 streams at once; every
-  stream's texts only grow, one output per token.
+  stream's texts only grow, one output per token while the caller keeps up; a caller that falls behind gets the
+  newest output, and the ones passed over are counted.
 - abort() frees the request's blocks before it returns; a consumer that breaks or is cancelled aborts its request.
 - A step that fails ends every stream it served with EngineStepError, and the engine serves the next requests.
 - Steps run on the engine's thread only, never on the event loop's.
@@ -58,6 +59,7 @@ def test_sixteen_streams_equal_the_offline_engine(engine, offline):
     async def main():
         return await asyncio.gather(*(collect(engine, p, sp, f"s{i}") for i, (p, sp) in enumerate(zip(prompts, params))))
 
+    coalesced = engine.stats["coalesced"]
     streams = asyncio.run(main())
     assert any(r.outputs[0].finish_reason == "stop" and r.outputs[0].stop_reason is not None for r in ref)
     for i, (outs, r) in enumerate(zip(streams, ref)):
@@ -65,10 +67,34 @@ def test_sixteen_streams_equal_the_offline_engine(engine, offline):
         assert outs[-1].finished and not any(o.finished for o in outs[:-1]), i
         assert (last.text, last.token_ids, last.finish_reason) == (want.text, want.token_ids, want.finish_reason), i
         assert last.logprobs == want.logprobs, i
-        assert len(outs) == len(want.token_ids), i  # one output per token
         texts = [o.outputs[0].text for o in outs]
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), f"stream {i}: a text shrank: {texts}"
-        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, len(want.token_ids) + 1))
+        counts = [len(o.outputs[0].token_ids) for o in outs]
+        assert counts == sorted(set(counts)) and counts[0] >= 1, f"stream {i}: token counts {counts}"
+    # one output per token, except those passed over for a newer one (none while every caller keeps up)
+    outputs, tokens = sum(map(len, streams)), sum(len(r.outputs[0].token_ids) for r in ref)
+    assert outputs + engine.stats["coalesced"] - coalesced == tokens
+
+
+def test_a_caller_that_falls_behind_gets_the_newest_output(engine, offline):
+    """A slow reader is not served a backlog: the outputs that piled up while it was busy are passed over for the
+    newest, which holds all their tokens, so it catches up at once and its text is the offline one."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    want = offline.generate(["a slow reader"], params)[0].outputs[0]
+
+    async def slow():
+        outs = []
+        async for out in engine.generate("a slow reader", params):
+            outs.append(out)
+            if len(outs) == 1:  # busy (the event loop blocked, as by a slow handler) while the steps go on
+                wait_until(lambda: engine.stats["steps"] >= 20)
+        return outs
+
+    outs = asyncio.run(slow())
+    counts = [len(o.outputs[0].token_ids) for o in outs]
+    assert counts[0] == 1 and counts[1] >= 15 and counts == sorted(set(counts)), counts
+    assert len(outs) + engine.stats["coalesced"] == len(want.token_ids)
+    assert (outs[-1].outputs[0].text, outs[-1].outputs[0].logprobs) == (want.text, want.logprobs)
 
 
 def test_a_stop_string_across_two_tokens_never_takes_back_text_already_streamed(engine, offline):

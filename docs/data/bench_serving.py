@@ -4,7 +4,7 @@ several rates against it, then the same requests through the offline engine, in 
     python docs/data/bench_serving.py --model smollm2-135m --rates 1 2 4 inf --num-prompts 32 --input-len 64 \\
         --output-len 32 --out docs/data/raw/cpu_step24_serving.jsonl
 
-One JSON line per rate (bench_serve.py's), then one line {"offline": ...}: the offline engine's output tokens/s on
+One JSON line per rate in --out (bench_serve.py's), then one line {"offline": ...}: the offline engine's output tokens/s on
 the same requests (LLM.generate, all at once, after a warm-up), and the server at saturation (the last rate) over it.
 """
 from __future__ import annotations
@@ -72,7 +72,8 @@ def main() -> None:
             result["server_phase_s"] = {k: v - before["phase_s"][k] for k, v in after["phase_s"].items()}
             result["command"] = " ".join(sys.argv)
             lines.append(result)
-            print(json.dumps(result), flush=True)
+            print(f"rate {result['request_rate']}: {result['completed']} of {len(prompts)} requests done in "
+                  f"{result['duration_s']:.1f} s", flush=True)
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -95,11 +96,11 @@ def main() -> None:
                            "device": str(llm.device), "backend": llm.backend},
                "server_at_saturation_over_offline": lines[-1]["output_throughput"] / (tokens / wall)}
     lines.append(offline)
-    print(json.dumps(offline), flush=True)
     args.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
     from shared.cli import format_table
 
-    ms = lambda m: f"{m['mean']:.1f} / {m['p50']:.1f} / {m['p99']:.1f}"  # noqa: E731
+    num = lambda v: f"{v:.1f}" if v < 100 else f"{v:.0f}"  # noqa: E731
+    ms = lambda m: " / ".join(num(m[k]) for k in ("mean", "p50", "p99"))  # noqa: E731
     rows = [[r["request_rate"], r["completed"], f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}",
              ms(r["ttft_ms"]), ms(r["tpot_ms"]), ms(r["itl_ms"]), ms(r["e2e_ms"])] for r in lines[:-1]]
     print(f"\n{args.model} on {llm.device}: {args.num_prompts} requests, {args.input_len} prompt tokens and "

@@ -472,15 +472,16 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopped = False
-        self.stats = {"steps": 0, "failed_steps": 0, "aborted": 0}
+        self.stats = {"steps": 0, "failed_steps": 0, "aborted": 0, "coalesced": 0}
         self._thread = threading.Thread(target=self._loop, name="AsyncLLM step loop", daemon=True)
         self._thread.start()
 
     # ---- the callers' side: the event loop ----------------------------------------------------------------
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None):
         """Submit one request and yield its RequestOutputs as its tokens arrive: cumulative (each holds the text and
-        tokens so far), the last with finished=True. A bad request raises ValueError before anything is queued;
-        stopping the iteration early aborts the request."""
+        tokens so far), the last with finished=True. One output per token while the caller keeps up; a caller that
+        falls behind gets the newest output only (stats["coalesced"] counts the ones passed over). A bad request
+        raises ValueError before anything is queued; stopping the iteration early aborts the request."""
         if self._stopped:
             raise EngineShutDown("AsyncLLM.generate(): the engine is shut down")
         text, ids, sp = self.llm.check_request(prompt, sampling_params)
@@ -497,6 +498,11 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await stream.queue.get()
+                # Outputs are cumulative: when several wait (the caller fell behind the steps), the newest holds all
+                # the others do, so they are passed over and the caller gets one output with every new token.
+                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
+                    item = stream.queue.get_nowait()
+                    self.stats["coalesced"] += 1
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

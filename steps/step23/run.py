@@ -68,8 +68,8 @@ async def show_streams(engine, llm, tokens: int) -> None:
 
     await asyncio.gather(*(stream(i) for i in range(3)))
     offline = llm.generate(prompts, params)
-    print(f"\nThree requests, {tokens} new tokens each (greedy), on one event loop; B arrives once A has 4 tokens, C "
-          "once A has 8. Each line is one output as its stream received it (the text it added):")
+    print(f"\nThree requests, {tokens} new tokens each (greedy), on one event loop; B arrives once A has 4 tokens,\n"
+          "C once A has 8. Each line is one output as its stream received it (the text it added):")
     shown = {}
     for at, name, n, text in events:
         new, shown[name] = text[len(shown.get(name, "")):], text
@@ -96,7 +96,7 @@ async def show_abort(engine) -> None:
             await engine.abort("long")
             after = blocks.num_free_blocks
     print(f"\nAn aborted request: after 3 outputs it held {free - held} KV block(s); `await engine.abort('long')` "
-          f"returned with {free - after} held, and its stream ended with finish_reason={out.outputs[0].finish_reason!r} "
+          f"returned with {free - after} held,\nand its stream ended with finish_reason={out.outputs[0].finish_reason!r} "
           f"after {len(out.outputs[0].token_ids)} tokens.")
 
 

@@ -99,7 +99,7 @@ def show_wire(base: str, model: str) -> None:
 
     body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    print(f"\nPOST /v1/chat/completions {json.dumps(body)}\nthe response body, line by line (text/event-stream):")
+    print(f"\nPOST /v1/chat/completions\n  {json.dumps(body)}\nthe response body, line by line (text/event-stream):")
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():
             pieces = [line[i:i + 110] for i in range(0, len(line), 110)] or [""]
@@ -122,13 +122,12 @@ def show_benchmark(llm, base: str, args) -> list[dict]:
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     offline = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
-    print(f"\n{args.requests} requests, prompts of 64 random tokens, {output_len} new tokens each (greedy, "
-          "streamed): bench_serve.py at two request rates (Poisson arrivals; inf: all at once). Latencies in ms, "
-          "mean / p99:")
+    print(f"\n{args.requests} requests, prompts of 64 random tokens, {output_len} new tokens each (greedy, streamed):\n"
+          "bench_serve.py at two request rates (Poisson arrivals; inf: all at once). Latencies in ms, mean / p99:")
     print(format_table(["rate, req/s", "requests/s", "output tokens/s", "TTFT", "TPOT", "ITL", "E2E"], rows))
     saturated = results[-1]["output_throughput"]
-    print(f"Offline, the same requests through LLM.generate in this process: {offline:.1f} output tokens/s. At "
-          f"saturation the server made {saturated:.1f}: {saturated / offline:.2f}x the offline engine.")
+    print(f"Offline, the same requests through LLM.generate in this process: {offline:.1f} output tokens/s.\n"
+          f"At saturation the server made {saturated:.1f}: {saturated / offline:.2f}x the offline engine.")
     return results
 
 
