@@ -103,6 +103,12 @@ def demo_options(args) -> dict:
     return _gpu_share(args, DEMO_SHARE)
 
 
+def compared_options(args) -> dict:
+    """The options of a second engine beside the demo's own (the one it is compared with, or a second way to run
+    it): on a GPU, the larger share, of which the demo's engine already holds its part."""
+    return _gpu_share(args, COMPARED_SHARE)
+
+
 def step_module(step: str, module: str):
     """steps/<step>/<module>.py, loaded by name: a run.py compares its own code with the step before it."""
     return importlib.import_module(f"steps.{step}.{module}")
@@ -112,7 +118,7 @@ def load_llm(step: str, args, **options):
     """steps/<step>'s LLM on the same model, device and dtype as this run (beside the demo's own engine)."""
     engine = importlib.import_module(f"steps.{step}.engine")
     if "max_kv_tokens" not in options:
-        options = {**_gpu_share(args, COMPARED_SHARE), **options}
+        options = {**compared_options(args), **options}
     return engine.LLM(args.model, device=args.device, dtype=args.dtype, **options)
 
 

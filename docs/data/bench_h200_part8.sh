@@ -3,8 +3,12 @@
 # the server at several request rates up to saturation, then the offline engine on the same requests), the gpu
 # tests of steps 23-24, their run.py on the GPU, and steps 22-24 joining the all-steps mixed run.
 #   bash docs/data/bench_h200_part8.sh "$OUT"
+# The serving packages the machine lacks travel as wheels in .whl (fastapi, starlette, uvicorn, pydantic and theirs):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl fastapi==... (see the
+#   device notes), carried with the call and installed into /tmp/site first.
 out=${1:?output folder}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LLM_STEPS_CACHE=$PWD/.cache
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site LLM_STEPS_CACHE=$PWD/.cache
 start=$(date +%s)
 left() { echo $(( ${BUDGET_S:-560} - ($(date +%s) - start) )); }
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc

@@ -15,8 +15,10 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 import asyncio
 import time
 
+import torch
+
 from shared import SamplingParams
-from shared.anatomy import QUESTIONS, anatomy_arg_parser, before_after, demo_options
+from shared.anatomy import QUESTIONS, anatomy_arg_parser, before_after, compared_options, demo_options
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM, AsyncLLM
@@ -33,12 +35,15 @@ def main() -> None:
 
 
 def show_lesson(llm, args) -> None:
-    engine = AsyncLLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))
+    engine = AsyncLLM(args.model, device=args.device, dtype=args.dtype, **compared_options(args))
     try:
         asyncio.run(show_streams(engine, llm, min(args.lesson_tokens, 16)))
         asyncio.run(show_abort(engine))
     finally:
         engine.shutdown()
+    del engine  # on a GPU its KV cache goes back before step22's engine sizes its own
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     before_after("step22", "step23", llm, args)
 
 
