@@ -1,7 +1,9 @@
 #!/bin/bash
 # Part 8 on the H200, one device call: step24's serving table on random:qwen3-0.6b (docs/data/bench_serving.py:
 # the server at several request rates up to saturation, then the offline engine on the same requests), the gpu
-# tests of steps 23-24, their run.py on the GPU, and steps 22-24 joining the all-steps mixed run.
+# tests of steps 23-24 and their run.py on the GPU. (Steps 22-24 joined the all-steps mixed run in an earlier call:
+#   python3 docs/data/bench_all_steps.py --model random:smollm2-135m --workload mixed --steps step22 step23 step24
+#   --hf --calibrate --out h200_mixed_step22_24_call4.jsonl)
 #   bash docs/data/bench_h200_part8.sh "$OUT"
 # The serving packages the machine lacks travel as wheels in .whl (fastapi, starlette, uvicorn, pydantic and theirs):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl fastapi==... (see the
@@ -20,10 +22,6 @@ echo "serving rc=$? left=$(left)" >> "$out/h200_part8_env.txt"
 timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m pytest -m gpu -q -p no:cacheprovider -k "step23 or step24" \
   tests/test_gpu.py tests/test_part4.py > "$out/h200_gpu_tests_step23_24.txt" 2>&1
 echo "gpu tests rc=$? left=$(left)" >> "$out/h200_part8_env.txt"
-timeout $(( $(left) < 120 ? $(left) : 120 )) python3 -u docs/data/bench_all_steps.py --model random:smollm2-135m \
-  --workload mixed --steps step22 step23 step24 --hf --calibrate --out "$out/h200_mixed_step22_24_call4.jsonl" \
-  > "$out/h200_mixed_step22_24_call4.log" 2>&1
-echo "mixed rc=$? left=$(left)" >> "$out/h200_part8_env.txt"
 for s in step23 step24; do
   timeout $(( $(left) < 60 ? $(left) : 60 )) python3 -u steps/$s/run.py --model random:qwen3-0.6b > "$out/h200_${s}_run.txt" 2>&1
   echo "$s run.py rc=$? left=$(left)" >> "$out/h200_part8_env.txt"

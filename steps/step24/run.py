@@ -99,11 +99,16 @@ def show_wire(base: str, model: str) -> None:
 
     body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    print(f"\nPOST /v1/chat/completions\n  {json.dumps(body)}\nthe response body, line by line (text/event-stream):")
+    def show(line: str) -> None:  # a long line in pieces of 110 characters, the later ones indented
+        pieces = [line[i:i + 110] for i in range(0, len(line), 110)] or [""]
+        print("\n".join(f"  {'' if k == 0 else '    '}{piece}" for k, piece in enumerate(pieces)))
+
+    print("\nPOST /v1/chat/completions")
+    show(json.dumps(body))
+    print("the response body, line by line (text/event-stream):")
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():
-            pieces = [line[i:i + 110] for i in range(0, len(line), 110)] or [""]
-            print("\n".join(f"  {'' if k == 0 else '    '}{piece}" for k, piece in enumerate(pieces)))
+            show(line)
 
 
 def show_benchmark(llm, base: str, args) -> list[dict]:
