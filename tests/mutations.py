@@ -245,6 +245,12 @@ MUTATIONS = [
         "        hold = 0",
         ("tests/test_part8_stream.py::test_a_stop_string_across_two_tokens_never_takes_back_text_already_streamed",)),
     Mutation(
+        "step23-backlog-not-coalesced", "step23 hands a caller that fell behind every output that piled up",
+        "steps/step23/engine.py",
+        "                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():",
+        "                while False:",
+        ("tests/test_part8_stream.py::test_a_caller_that_falls_behind_gets_the_newest_output",)),
+    Mutation(
         "step24-gone-client-not-aborted", "step24's engine lets a request run on after its caller stopped reading",
         "steps/step24/engine.py",
         "            if not finished:  # the caller stopped early (break, cancel, an error): the request must not run on",
