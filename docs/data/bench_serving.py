@@ -69,6 +69,7 @@ def main() -> None:
             # the server's engine during this rate: its steps and its time by phase (the rest of the wall time is
             # spent outside the engine's steps: waiting for requests, or on the event loop's side of the GIL)
             result["server_steps"] = after["steps"] - before["steps"]
+            result["server_coalesced"] = after["coalesced"] - before["coalesced"]  # outputs a slow stream passed over
             result["server_phase_s"] = {k: v - before["phase_s"][k] for k, v in after["phase_s"].items()}
             result["command"] = " ".join(sys.argv)
             lines.append(result)
@@ -115,6 +116,8 @@ def main() -> None:
     for k in off["phase_s"]:
         print(f"  {k:<16} server {1000 * sat['server_phase_s'][k] / max(sat['server_steps'], 1):8.2f} ms/step   "
               f"offline {1000 * off['phase_s'][k] / max(off['steps'], 1):8.2f} ms/step")
+    print("outputs passed over for a newer one (the server fell behind a stream), by rate: "
+          + ", ".join(f"{r['request_rate']}: {r['server_coalesced']}" for r in lines[:-1]))
 
 
 if __name__ == "__main__":
