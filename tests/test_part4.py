@@ -162,6 +162,8 @@ def test_cpu_pool_follows_max_kv_tokens(step):
 def test_gpu_pool_fits_in_its_share(step):
     gc.collect()  # engines of earlier tests in this process: their memory goes back, or it counts as reserved
     torch.cuda.empty_cache()
+    print(f"before: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
+          f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved")
     engine = load_engine(step)
     llm = engine.LLM("random:smollm2-135m", device="cuda", gpu_memory_utilization=0.5)
     m = llm.memory

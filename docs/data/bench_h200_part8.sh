@@ -19,9 +19,12 @@ left() { echo $(( ${BUDGET_S:-560} - ($(date +%s) - start) )); }
 timeout 240 python3 -u docs/data/bench_serving.py --model random:qwen3-0.6b --rates 16 32 64 128 inf --num-prompts 512 \
   --input-len 256 --output-len 128 --max-num-seqs 256 --out "$out/h200_step24_serving.jsonl" > "$out/h200_step24_serving.txt" 2>&1
 echo "serving rc=$? left=$(left)" >> "$out/h200_part8_env.txt"
-timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m pytest -m gpu -q -p no:cacheprovider -k "step23 or step24" \
+timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k "step23 or step24" \
   tests/test_gpu.py tests/test_part4.py > "$out/h200_gpu_tests_step23_24.txt" 2>&1
 echo "gpu tests rc=$? left=$(left)" >> "$out/h200_part8_env.txt"
+timeout $(( $(left) < 60 ? $(left) : 60 )) python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k "pool and step23" \
+  tests/test_part4.py > "$out/h200_gpu_tests_step23_pool_alone.txt" 2>&1
+echo "pool test alone rc=$? left=$(left)" >> "$out/h200_part8_env.txt"
 for s in step23 step24; do
   timeout $(( $(left) < 60 ? $(left) : 60 )) python3 -u steps/$s/run.py --model random:qwen3-0.6b > "$out/h200_${s}_run.txt" 2>&1
   echo "$s run.py rc=$? left=$(left)" >> "$out/h200_part8_env.txt"

@@ -70,6 +70,9 @@ def main() -> None:
             # spent outside the engine's steps: waiting for requests, or on the event loop's side of the GIL)
             result["server_steps"] = after["steps"] - before["steps"]
             result["server_coalesced"] = after["coalesced"] - before["coalesced"]  # outputs a slow stream passed over
+            # CPU seconds of the server process, and of its step-loop thread alone (the rest: the event loop, HTTP)
+            result["server_cpu_s"] = after["process_cpu_s"] - before["process_cpu_s"]
+            result["server_step_thread_cpu_s"] = after["step_thread_cpu_s"] - before["step_thread_cpu_s"]
             result["server_phase_s"] = {k: v - before["phase_s"][k] for k, v in after["phase_s"].items()}
             result["command"] = " ".join(sys.argv)
             lines.append(result)
@@ -116,6 +119,8 @@ def main() -> None:
     for k in off["phase_s"]:
         print(f"  {k:<16} server {1000 * sat['server_phase_s'][k] / max(sat['server_steps'], 1):8.2f} ms/step   "
               f"offline {1000 * off['phase_s'][k] / max(off['steps'], 1):8.2f} ms/step")
+    print(f"CPU seconds of the server process at saturation: {sat['server_cpu_s']:.2f} in {sat['duration_s']:.2f} s, "
+          f"{sat['server_step_thread_cpu_s']:.2f} of them in the step loop's thread")
     print("outputs passed over for a newer one (the server fell behind a stream), by rate: "
           + ", ".join(f"{r['request_rate']}: {r['server_coalesced']}" for r in lines[:-1]))
 

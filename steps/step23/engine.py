@@ -444,6 +444,11 @@ class _Stream:
             pass
 
 
+def _put_all(puts) -> None:  # run by the event loop: a step's outputs join their queues
+    for queue_, item in puts:
+        queue_.put_nowait(item)
+
+
 def _resolve(future: asyncio.Future, value) -> None:
     if not future.done():  # its caller may have been cancelled meanwhile
         future.set_result(value)
@@ -472,7 +477,7 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopped = False
-        self.stats = {"steps": 0, "failed_steps": 0, "aborted": 0, "coalesced": 0}
+        self.stats = {"steps": 0, "failed_steps": 0, "aborted": 0, "coalesced": 0, "step_thread_cpu_s": 0.0}
         self._thread = threading.Thread(target=self._loop, name="AsyncLLM step loop", daemon=True)
         self._thread.start()
 
@@ -559,8 +564,8 @@ class AsyncLLM:
                     self._deliver(request_id, EngineStepError(f"the engine step failed: {type(e).__name__}: {e}"))
                 continue
             self.stats["steps"] += 1
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_all([(out.request_id, out) for out in outputs])
+            self.stats["step_thread_cpu_s"] = time.thread_time()  # this thread's CPU time so far
 
     def _run_commands(self) -> bool:
         """Everything the callers sent since the last step, in order. -> False once told to stop."""
@@ -590,7 +595,19 @@ class AsyncLLM:
                     payload.call_soon_threadsafe(_resolve, done, seq is not None)
 
     def _deliver(self, request_id: str, item) -> None:
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items) -> None:
+        """A step's outputs to their streams: one wake-up of each caller's event loop for all of them, not one per
+        output (each wake-up is a write to the loop's self-pipe, and a turn of the loop)."""
+        by_loop = {}
         with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(item)
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass

@@ -10,7 +10,8 @@ the server's saturation. For each rate, one JSON line:
 
     request_throughput   completed requests per second of the run's wall time
     output_throughput    generated tokens per second (the tokens from each response's usage)
-    ttft_ms              time to first token: from sending the request to its first text
+    ttft_ms              time to first token: from sending the request to its first chunk (a chunk holds new tokens;
+                         their text may be empty, as for half of a character that takes two tokens)
     tpot_ms              time per output token after the first: (e2e - ttft) / (tokens - 1), per request
     itl_ms               inter-token latency: the gaps between a stream's chunks, all requests together
     e2e_ms               end-to-end latency: from sending to the last chunk
@@ -58,13 +59,13 @@ async def one_request(client, url: str, body: dict, headers: dict) -> dict:
                     return {"error": data["error"]["message"]}
                 if data.get("usage"):
                     tokens = data["usage"]["completion_tokens"]
-                if data["choices"] and data["choices"][0].get("text"):
+                if data["choices"]:  # a chunk with a choice carries tokens, even if their text is empty (yet)
                     chunks.append(time.perf_counter() - start)
     except Exception as e:  # the server went away, a timeout: counted as failed, the run goes on
         return {"error": f"{type(e).__name__}: {e}"}
     end = time.perf_counter() - start
     if not chunks or tokens is None:
-        return {"error": "no text or no usage in the stream"}
+        return {"error": "no tokens or no usage in the stream"}
     return {"chunks": chunks, "e2e": end, "tokens": tokens}
 
 

@@ -136,7 +136,8 @@ class Server:
         return {"running": len(llm.scheduler.running), "waiting": len(llm.scheduler.waiting),
                 "free_blocks": llm.block_manager.num_free_blocks, "num_blocks": llm.block_manager.num_blocks,
                 "streams": len(self.engine._streams), **self.engine.stats,
-                "phase_s": dict(llm.timers.seconds)}  # the engine's time by phase so far (timers.py), in seconds
+                "phase_s": dict(llm.timers.seconds),  # the engine's time by phase so far (timers.py), in seconds
+                "process_cpu_s": time.process_time()}  # the CPU time of the whole server process so far
 
     def prompt(self, body: dict, chat: bool):
         """The prompt the engine runs: text or token ids (a completion), the chat template's ids (a chat)."""
