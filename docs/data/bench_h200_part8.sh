@@ -16,7 +16,7 @@ left() { echo $(( ${BUDGET_S:-560} - ($(date +%s) - start) )); }
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
   python3 -c 'import torch, transformers, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)'
   git rev-parse --short HEAD 2>/dev/null; } > "$out/h200_part8_env.txt"
-timeout 240 python3 -u docs/data/bench_serving.py --model random:qwen3-0.6b --rates 16 32 64 128 inf --num-prompts 512 \
+timeout 240 python3 -u docs/data/bench_serving.py --model random:qwen3-0.6b --rates 16 32 64 128 --repeats 3 --num-prompts 512 \
   --input-len 256 --output-len 128 --max-num-seqs 256 --out "$out/h200_step24_serving.jsonl" > "$out/h200_step24_serving.txt" 2>&1
 echo "serving rc=$? left=$(left)" >> "$out/h200_part8_env.txt"
 timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k "step23 or step24" \

@@ -77,7 +77,9 @@ async def bench(base_url: str, model: str, rate: float, prompts: list[list[int]]
     rng = random.Random(seed)
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    # An idle connection is dropped after 1 s, before the server closes it (uvicorn: after 5 s): a request sent on
+    # a connection the server is closing at that moment fails with a ReadError.
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts), keepalive_expiry=1.0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         async def arrive(prompt, delay):
             await asyncio.sleep(delay)
