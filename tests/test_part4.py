@@ -162,8 +162,11 @@ def test_cpu_pool_follows_max_kv_tokens(step):
 def test_gpu_pool_fits_in_its_share(step):
     gc.collect()  # engines of earlier tests in this process: their memory goes back, or it counts as reserved
     torch.cuda.empty_cache()
-    print(f"before: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
-          f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved")
+    # Run after test_gpu.py in one process, the allocator still held 125.85 GiB that empty_cache() did not give
+    # back, with 0.31 GiB allocated (docs/data/raw/h200_gpu_tests_step23_24.txt); alone, 0 and 0. What this
+    # engine reserves is counted from here.
+    reserved_before = torch.cuda.memory_reserved()
+    print(f"before: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, {reserved_before / 2**30:.2f} GiB reserved")
     engine = load_engine(step)
     llm = engine.LLM("random:smollm2-135m", device="cuda", gpu_memory_utilization=0.5)
     m = llm.memory
@@ -185,7 +188,7 @@ def test_gpu_pool_fits_in_its_share(step):
     assert peak <= m["total_bytes"] * 0.5 * 1.01
     if "graph_pool_bytes" in m:  # step21: the graphs hold their pool for good, beside the peak of eager steps
         assert 0 < m["graph_pool_bytes"] <= m["graph_pool_estimate_bytes"] * 1.1, m
-        assert torch.cuda.memory_reserved() <= m["total_bytes"] * 0.5 * 1.01
+        assert torch.cuda.memory_reserved() - reserved_before <= m["total_bytes"] * 0.5 * 1.01
 
 
 # ---- step12: one sampler call per step, incremental detokenizer ----------------------------------

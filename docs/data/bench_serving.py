@@ -57,8 +57,9 @@ def served(base: str, args, rate: float, prompts) -> dict:
     """One bench_serve.py run, with what the server's engine did meanwhile (from /stats before and after)."""
     import httpx
 
-    before = httpx.get(f"{base}/stats", timeout=10).json()
+    before, client_cpu = httpx.get(f"{base}/stats", timeout=10).json(), time.process_time()
     result = asyncio.run(bench(base, args.model, rate, prompts, args.output_len))
+    result["client_cpu_s"] = time.process_time() - client_cpu  # this process's: the benchmark's client
     after = httpx.get(f"{base}/stats", timeout=10).json()
     result["server_steps"] = after["steps"] - before["steps"]
     result["server_phase_s"] = {k: v - before["phase_s"][k] for k, v in after["phase_s"].items()}
@@ -150,9 +151,9 @@ def main() -> None:
     for k in offline[0]["phase_s"]:
         print(f"  {k:<16} server {1000 * sum(r['server_phase_s'][k] for r in saturated) / max(s_steps, 1):8.2f} "
               f"ms/step   offline {1000 * sum(r['phase_s'][k] for r in offline) / max(o_steps, 1):8.2f} ms/step")
-    print(f"CPU seconds of the server process at saturation: {sum(r['server_cpu_s'] for r in saturated):.2f} in "
-          f"{s_wall:.2f} s, {sum(r['server_step_thread_cpu_s'] for r in saturated):.2f} of them in the step loop's "
-          "thread")
+    print(f"CPU seconds at saturation: the server's process {sum(r['server_cpu_s'] for r in saturated):.2f} in "
+          f"{s_wall:.2f} s (its step loop's thread {sum(r['server_step_thread_cpu_s'] for r in saturated):.2f}), "
+          f"the benchmark's client {sum(r['client_cpu_s'] for r in saturated):.2f}")
     print("outputs passed over for a newer one (the server fell behind a stream), by rate: "
           + ", ".join(f"{r['request_rate']}: {r['server_coalesced']}" for r in [*lines, *saturated]))
 
