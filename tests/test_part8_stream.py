@@ -5,7 +5,7 @@
   newest output, and the ones passed over are counted.
 - abort() frees the request's blocks before it returns; a consumer that breaks or is cancelled aborts its request.
 - A step that fails ends every stream it served with EngineStepError, and the engine serves the next requests.
-- Steps run on the engine's thread only, never on the event loop's.
+- Steps run on the engine's thread only, never on the event loop's; a step's outputs wake the event loop once.
 - Bad requests, a request id in use, a shut-down engine: errors that name the problem.
 """
 import asyncio
@@ -74,6 +74,29 @@ def test_sixteen_streams_equal_the_offline_engine(engine, offline):
     # one output per token, except those passed over for a newer one (none while every caller keeps up)
     outputs, tokens = sum(map(len, streams)), sum(len(r.outputs[0].token_ids) for r in ref)
     assert outputs + engine.stats["coalesced"] - coalesced == tokens
+
+
+def test_one_wake_up_of_the_event_loop_per_step(engine):
+    """The step loop hands a step's outputs to the event loop together: one call_soon_threadsafe per step, however
+    many streams got a token in it."""
+    module, wakeups = engine_module(), []
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        call = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            wakeups.append(callback)
+            return call(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting
+        return await asyncio.gather(*(collect(engine, f"wake {i}", params) for i in range(6)))
+
+    streams = asyncio.run(main())
+    deliveries = [c for c in wakeups if c is module._put_all]
+    assert all(len(outs[-1].outputs[0].token_ids) == 10 for outs in streams)
+    assert 0 < len(deliveries) <= engine.stats["steps"] and sum(map(len, streams)) >= 5 * len(deliveries)
 
 
 def test_a_caller_that_falls_behind_gets_the_newest_output(engine, offline):
