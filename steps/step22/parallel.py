@@ -375,8 +375,8 @@ class Workers:
                 conn.send(("step", packed.numel()))
             tp.broadcast_inputs(packed, packed.numel())
         except Exception as e:  # a pipe or a socket closed under us: a worker went away mid-step
-            self.check_alive()
-            self._fail(f"tensor-parallel step failed: {e}")
+            # its end may show a moment after its socket closed (a killed process is reaped after the reset)
+            self._fail(self.failure(wait_s=1) or f"tensor-parallel step failed: {e}")
 
     def shutdown(self) -> None:
         """Stop every worker and wait for it (stop words first, then SIGTERM, then SIGKILL); idempotent."""

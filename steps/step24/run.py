@@ -21,7 +21,7 @@ import subprocess
 import time
 
 from shared import SamplingParams
-from shared.anatomy import anatomy_arg_parser, demo_options
+from shared.anatomy import anatomy_arg_parser, before_after, demo_options
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .bench_serve import bench, random_prompts
@@ -90,6 +90,7 @@ def show_lesson(llm, args) -> None:
             server.kill()
             code = "killed after 60 s"
     print(f"\nThe server got SIGINT and exited with status {code}.")
+    before_after("step23", "step24", llm, args)  # offline, the engine is step23's: the same requests, the same speed
     return results
 
 
