@@ -27,30 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from steps.step24.bench_serve import bench, random_prompts, rate_arg  # noqa: E402
-from steps.step24.run import free_port  # noqa: E402
-
-
-def start_server(args, port: int) -> subprocess.Popen:
-    import httpx
-
-    cmd = [sys.executable, str(ROOT / "steps/step24/serve.py"), "--model", args.model, "--port", str(port),
-           "--max-num-seqs", str(args.max_num_seqs), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    if args.device:
-        cmd += ["--device", args.device]
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 600
-    while True:
-        if server.poll() is not None:
-            raise SystemExit(f"serve.py exited: {server.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            server.kill()
-            raise SystemExit("serve.py did not start within 600 s")
-        time.sleep(0.2)
+from steps.step24.run import free_port, start_server  # noqa: E402
 
 
 def served(base: str, args, rate: float, prompts) -> dict:
@@ -105,7 +82,8 @@ def main() -> None:
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    server = start_server(args, port)
+    options = ["--max-num-seqs", str(args.max_num_seqs), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    server = start_server(args.model, port, *options, *(["--device", args.device] if args.device else []))
     try:
         llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
                   gpu_memory_utilization=args.gpu_memory_utilization)

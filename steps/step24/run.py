@@ -14,7 +14,6 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -48,16 +47,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, port: int) -> subprocess.Popen:
-    """serve.py in its own process, with this demo's engine options; -> once /health answers."""
+def start_server(model: str, port: int, *options: str) -> subprocess.Popen:
+    """serve.py in its own process with these engine options; -> once /health answers."""
     import httpx
 
-    cmd = [sys.executable, str(HERE / "serve.py"), "--model", args.model, "--port", str(port),
-           "--max-num-seqs", str(max(args.requests, 16))]
-    for flag, value in (("--device", args.device), ("--dtype", args.dtype),
-                        ("--gpu-memory-utilization", demo_options(args).get("gpu_memory_utilization"))):
-        if value is not None:
-            cmd += [flag, str(value)]
+    cmd = [sys.executable, str(HERE / "serve.py"), "--model", model, "--port", str(port), *options]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -73,11 +67,21 @@ def start_server(args, port: int) -> subprocess.Popen:
     raise RuntimeError("serve.py did not answer /health within 600 s")
 
 
+def server_options(args) -> list[str]:
+    """This demo's engine options, as serve.py's flags."""
+    options = ["--max-num-seqs", str(max(args.requests, 16))]
+    for flag, value in (("--device", args.device), ("--dtype", args.dtype),
+                        ("--gpu-memory-utilization", demo_options(args).get("gpu_memory_utilization"))):
+        if value is not None:
+            options += [flag, str(value)]
+    return options
+
+
 def show_lesson(llm, args) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
-    server = start_server(args, port)
+    server = start_server(args.model, port, *server_options(args))
     print(f"\nserve.py answered /health after {time.perf_counter() - started:.1f} s: {' '.join(server.args[1:])}")
     try:
         show_wire(base, args.model)
