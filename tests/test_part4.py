@@ -262,17 +262,59 @@ def test_batched_draws_follow_each_rows_distribution(step):
     base = torch.log(torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05]))
     temperatures = [1.0, 0.5, 2.0]
     params = [SamplingParams(temperature=t, seed=100 + i) for i, t in enumerate(temperatures)]
-    generators = [s.make_generator(sp, torch.device("cpu")) for sp in params]
+    seeds = [s.request_seed(sp) for sp in params]
     logits = base.repeat(len(params), 1)
     counts = torch.zeros(len(params), 5)
-    for _ in range(4000):
-        for row, token in enumerate(s.sample_batch(logits, params, generators)):
+    for position in range(4000):
+        for row, token in enumerate(s.sample_batch(logits, params, seeds, [position] * len(params))):
             counts[row, token] += 1
     for row, t in enumerate(temperatures):
         expected = torch.softmax(base / t, dim=-1) * 4000
         chi2 = float(((counts[row] - expected) ** 2 / expected).sum())
         assert chi2 < 23.51, f"temperature {t}: chi-square {chi2:.1f} (counts {counts[row].tolist()})"
 
+
+
+def count_operators(fn):
+    """The torch operators fn runs (each a kernel launch on a GPU): counted as they are dispatched."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
+
+
+@pytest.mark.parametrize("step", BATCHED)
+def test_one_sampling_step_costs_the_same_operators_for_8_rows_or_256(step):
+    """The draw is one set of operations for every sampled row, not one per row: the sampler runs as many
+    operators for 256 rows as for 8, with the filters on, unseeded and seeded rows alike."""
+    import importlib
+
+    s = importlib.import_module(f"steps.{step}.sampler")
+    logits = torch.randn(256, 300, generator=torch.Generator().manual_seed(0))
+
+    def operators(rows, seeded):
+        params = [SamplingParams(temperature=0.6, top_k=20, top_p=0.9, min_p=0.01, seed=i if seeded else None)
+                  for i in range(rows)]
+        seeds = [s.request_seed(sp) for sp in params]
+        return count_operators(lambda: s.sample_batch(logits[:rows], params, seeds, list(range(rows))))
+
+    for seeded in (False, True):
+        assert operators(8, seeded) == operators(256, seeded) > 0, f"seeded={seeded}"
+    def with_filter(**option):  # one row of 256 asks for the filter
+        params = [SamplingParams(temperature=0.6)] * 255 + [SamplingParams(temperature=0.6, **option)]
+        return count_operators(lambda: s.sample_batch(logits, params, [1] * 256, [0] * 256))
+
+    plain = with_filter()
+    for option in (dict(min_p=0.01), dict(top_k=20), dict(top_p=0.9)):
+        assert with_filter(**option) > plain, f"{option}: the filter runs although no row asks for it"
 
 # ---- step13: where the time goes -------------------------------------------------------------------
 

@@ -64,18 +64,17 @@ def test_min_p_mask_is_exact(step):
 def test_sample_follows_the_distribution(step):
     s = sampler(step)
     probs = [0.5, 0.3, 0.15, 0.05]
-    gen = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=1.0, seed=0)
     counts = torch.zeros(4)
     n = 4000
-    for _ in range(n):
-        counts[s.sample(probs_logits(probs), sp, gen)] += 1
+    for position in range(n):  # one request's draws: the same seed, position after position
+        counts[s.sample(probs_logits(probs), sp, 0, position)] += 1
     freq = counts / n
     # 4000 draws: the standard error of each frequency is below 0.008; 0.04 is 5 standard errors.
     assert torch.allclose(freq, torch.tensor(probs), atol=0.04), freq
     # With top_k=2 only the two most likely tokens are ever drawn, in ratio 0.5 : 0.3.
     sp2 = SamplingParams(temperature=1.0, top_k=2)
-    draws = [s.sample(probs_logits(probs), sp2, gen) for _ in range(1000)]
+    draws = [s.sample(probs_logits(probs), sp2, 1, position) for position in range(1000)]
     assert set(draws) == {0, 1}
     assert abs(draws.count(0) / 1000 - 0.5 / 0.8) < 0.06
 
@@ -84,9 +83,8 @@ def test_sample_follows_the_distribution(step):
 def test_temperature_zero_is_argmax_and_low_temperature_approaches_it(step):
     s = sampler(step)
     logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
-    gen = torch.Generator().manual_seed(0)
-    assert s.sample(logits, SamplingParams(temperature=0), gen) == 1
-    draws = {s.sample(logits, SamplingParams(temperature=0.01), gen) for _ in range(50)}
+    assert s.sample(logits, SamplingParams(temperature=0), 0, 0) == 1
+    draws = {s.sample(logits, SamplingParams(temperature=0.01), 0, position) for position in range(50)}
     assert draws == {1}
 
 
@@ -123,5 +121,46 @@ def test_filters_run_in_vllms_order(step):
     s = sampler(step)
     logits = probs_logits([0.4, 0.3, 0.2, 0.1])
     sp = SamplingParams(temperature=1.0, min_p=0.6, top_p=0.5, seed=0)
-    generator = s.make_generator(sp, torch.device("cpu"))
-    assert {s.sample(logits, sp, generator) for _ in range(200)} == {0}
+    assert {s.sample(logits, sp, s.request_seed(sp), position) for position in range(200)} == {0}
+
+
+@pytest.mark.parametrize("step", SAMPLER_STEPS)
+def test_draw_is_keyed_by_seed_and_position(step):
+    """A draw's random number is a function of (seed, position) alone: the same key, the same number, in any
+    order and whatever else is in the batch; different keys, numbers spread over [0, 1)."""
+    s = sampler(step)
+    seeds, positions = [7, 7, 8, -3, 2**40 + 7], [0, 1, 0, 0, 0]
+    u = s.uniforms(seeds, positions)
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+    assert len(set(u.tolist())) == len(seeds)  # every key its own number (the high half of a seed counts too)
+    reversed_u = s.uniforms(seeds[::-1], positions[::-1])
+    assert torch.equal(reversed_u.flip(0), u)
+    assert torch.equal(s.uniforms([7], [1]), u[1:2])
+    many = s.uniforms([123] * 20000, list(range(20000)))
+    assert abs(float(many.mean()) - 0.5) < 0.01 and float(many.min()) < 1e-3 and float(many.max()) > 1 - 1e-3
+    assert s.request_seed(SamplingParams(seed=5)) == 5
+    assert s.request_seed(SamplingParams()) != s.request_seed(SamplingParams())  # unseeded: a fresh seed each
+
+
+@pytest.mark.parametrize("step", SAMPLER_STEPS)
+def test_inverse_cdf_draw_follows_a_wide_distribution(step):
+    """The draw over a wide row of small probabilities, with filtered (zero-probability) tokens: a
+    chi-square test on 20,000 draws over 8 bins of a 5,000-token distribution (7 degrees of freedom; 24.32 has
+    a false-alarm rate of 1e-3, and the keys are fixed, so the test is deterministic). A token of probability
+    zero is never drawn."""
+    s = sampler(step)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5_000, generator=gen) * 2
+    logits[::7] = NEG_INF  # filtered tokens
+    probs = torch.softmax(logits, dim=-1)
+    u = s.uniforms([99] * 20_000, list(range(20_000)))  # one request's first 20,000 draws
+    tokens = torch.cat([s.draw(probs.expand(2_000, -1), u[i:i + 2_000]) for i in range(0, 20_000, 2_000)])
+    assert not bool((tokens % 7 == 0).any()), "a token of probability zero was drawn"
+    order = torch.argsort(probs, descending=True)
+    bins = torch.empty_like(order)
+    bins[order] = torch.arange(len(order)) * 8 // len(order)  # 8 bins of tokens, most likely first
+    expected = torch.zeros(8, dtype=torch.float64).index_add_(0, bins, probs.double()) * len(tokens)
+    counts = torch.bincount(bins[tokens], minlength=8).double()
+    keep = expected > 5  # bins with enough expected draws for the test
+    chi2 = float(((counts - expected)[keep] ** 2 / expected[keep]).sum())
+    assert chi2 < 24.32, f"chi-square {chi2:.1f}: counts {counts.tolist()} expected {expected.tolist()}"

@@ -11,7 +11,7 @@ from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutp
                     resolve_device_dtype, resolve_model)
 
 from .model import Llama
-from .sampler import make_generator, sample
+from .sampler import request_seed, sample
 
 
 class Finish(NamedTuple):
@@ -76,13 +76,13 @@ class LLM:
         output_ids: list[int] = []
         logprobs: list[dict[int, float]] | None = [] if sp.logprobs is not None else None
         cumulative = 0.0
-        generator = make_generator(sp, self.device)
+        seed = request_seed(sp)
         finish = None
         while finish is None:
             # The naive part: the whole sequence (prompt + everything generated so far) goes through the model.
             logits = self.model.forward(torch.tensor(tokens, device=self.device))[-1]  # [vocab]
             token_logprobs = torch.log_softmax(logits, dim=-1)
-            next_id = sample(logits, sp, generator)
+            next_id = sample(logits, sp, seed, len(output_ids))
             cumulative += float(token_logprobs[next_id])
             if logprobs is not None:
                 logprobs.append(top_logprobs(token_logprobs, next_id, sp.logprobs))

@@ -11,7 +11,7 @@ from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutp
                     resolve_device_dtype, resolve_model)
 
 from .model import KVCache, Llama
-from .sampler import make_generator, sample
+from .sampler import request_seed, sample
 
 
 class Finish(NamedTuple):
@@ -76,14 +76,14 @@ class LLM:
         output_ids: list[int] = []
         logprobs: list[dict[int, float]] | None = [] if sp.logprobs is not None else None
         cumulative = 0.0
-        generator = make_generator(sp, self.device)
+        seed = request_seed(sp)
         cache = KVCache(self.model.config, len(prompt_ids) + sp.max_tokens, self.device, self.dtype)
         new_tokens, start_pos = tokens, 0  # first forward: the whole prompt (prefill)
         finish = None
         while finish is None:
             logits = self.model.forward(torch.tensor(new_tokens, device=self.device), start_pos, cache)[-1]  # [vocab]
             token_logprobs = torch.log_softmax(logits, dim=-1)
-            next_id = sample(logits, sp, generator)
+            next_id = sample(logits, sp, seed, len(output_ids))
             cumulative += float(token_logprobs[next_id])
             if logprobs is not None:
                 logprobs.append(top_logprobs(token_logprobs, next_id, sp.logprobs))

@@ -12,7 +12,7 @@ from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutp
                     resolve_device_dtype, resolve_model)
 
 from .model import KVCache, Llama
-from .sampler import make_generator, sample
+from .sampler import request_seed, sample
 
 
 class Finish(NamedTuple):
@@ -39,7 +39,7 @@ class Request:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # keys its draws, with the position of each token (sampler.py)
     metrics: RequestMetrics
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
@@ -69,7 +69,7 @@ class LLM:
         for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
             check_length(i, len(ids), sp, self.max_model_len)
         arrival = time.perf_counter()  # every request arrives now and they all run as one batch
-        requests = [Request(str(i), text, ids, sp, make_generator(sp, self.device), RequestMetrics(arrival),
+        requests = [Request(str(i), text, ids, sp, request_seed(sp), RequestMetrics(arrival),
                             logprobs=[] if sp.logprobs is not None else None)
                     for i, ((text, ids), sp) in enumerate(zip(prompts, params))]
         self._run_batch(requests)
@@ -98,7 +98,7 @@ class LLM:
     def _append_token(self, r: Request, logits: torch.Tensor) -> None:
         """Sample one token for request r from its logits [vocab], record it, check whether r must stop."""
         token_logprobs = torch.log_softmax(logits, dim=-1)
-        next_id = sample(logits, r.params, r.generator)
+        next_id = sample(logits, r.params, r.seed, len(r.output_ids))
         r.cumulative_logprob += float(token_logprobs[next_id])
         if r.logprobs is not None:
             r.logprobs.append(top_logprobs(token_logprobs, next_id, r.params.logprobs))

@@ -12,7 +12,7 @@ from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutp
                     normalize_sampling_params, resolve_device_dtype, resolve_model)
 
 from .model import KVCache, Llama
-from .sampler import make_generator, sample
+from .sampler import request_seed, sample
 from .scheduler import RequestStatus, Scheduler
 
 
@@ -40,7 +40,7 @@ class Request:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # keys its draws, with the position of each token (sampler.py)
     metrics: RequestMetrics
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
@@ -118,7 +118,7 @@ class LLM:
     def _add(self, text: str | None, ids: list[int], sp: SamplingParams) -> str:
         request_id = str(self.next_request_id)
         self.next_request_id += 1
-        self.scheduler.add(Request(request_id, text, ids, sp, make_generator(sp, self.device),
+        self.scheduler.add(Request(request_id, text, ids, sp, request_seed(sp),
                                    RequestMetrics(time.perf_counter()), logprobs=[] if sp.logprobs is not None else None))
         return request_id
 
@@ -199,7 +199,7 @@ class LLM:
     def _append_token(self, r: Request, logits: torch.Tensor) -> None:
         """Sample one token for request r from its logits [vocab], record it, check whether r must stop."""
         token_logprobs = torch.log_softmax(logits, dim=-1)
-        next_id = sample(logits, r.params, r.generator)
+        next_id = sample(logits, r.params, r.seed, len(r.output_ids))
         r.cumulative_logprob += float(token_logprobs[next_id])
         if r.logprobs is not None:
             r.logprobs.append(top_logprobs(token_logprobs, next_id, r.params.logprobs))

@@ -1,4 +1,7 @@
-"""Turning logits into the next token: temperature, min-p, top-k, top-p, a seeded random draw."""
+"""Turning logits into the next token: temperature, min-p, top-k, top-p, a seeded random draw.
+
+The draw is keyed: its random number is a hash of the request's seed and the position of the token
+(uniforms), turned into a token by the inverse of the cumulative distribution (draw)."""
 from __future__ import annotations
 
 import torch
@@ -34,16 +37,45 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
-def make_generator(sp: SamplingParams, device: torch.device) -> torch.Generator:
-    """A per-request random stream: the same seed gives the same samples, whatever else runs."""
-    generator = torch.Generator(device=device)
-    seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)))
-    generator.manual_seed(seed)
-    return generator
+MASK32 = 2**32 - 1
 
 
-def sample(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator) -> int:
-    """logits: [vocab] (fp32) -> the next token id."""
+def request_seed(sp: SamplingParams) -> int:
+    """A request's seed: its own, or a random one. Each of its draws is keyed by (seed, position), so the same
+    seed gives the same samples whatever else runs, and there is no random state to carry between steps."""
+    return sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift, multiply, twice), on int64 tensors of values in [0, 2**32): every product
+    stays below 2**63, so nothing overflows."""
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & MASK32
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """One number in [0, 1) per (seed, position), as float64 [n] on the host: a hash of the key, not the next
+    value of a random stream (a counter-based draw). The token at position k of a seeded request gets the same
+    number alone or in any batch, and a whole batch of keys is a few tensor operations."""
+    low = torch.tensor([s & MASK32 for s in seeds])  # [n] int64: the seed's two 32-bit halves
+    high = torch.tensor([(s >> 32) & MASK32 for s in seeds])
+    h = _mix32(_mix32(_mix32(torch.tensor(positions) & MASK32) ^ high) ^ low)  # [n], in [0, 2**32)
+    return h.double() / 2**32  # at most 1 - 2**-32
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: the first token whose running sum of probabilities passes u x the total.
+    probs: [..., vocab]; u: [...] float64, on probs' device -> token ids [...]. The running sum is float64: in
+    float32, over 151,936 small probabilities, its rounding reaches a sizeable share of the rarest tokens'."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [..., vocab]
+    target = u[..., None] * cdf[..., -1:]  # [..., 1], below the total since u < 1
+    return torch.searchsorted(cdf, target, right=True)[..., 0]
+
+
+def sample(logits: torch.Tensor, sp: SamplingParams, seed: int, position: int) -> int:
+    """logits: [vocab] (fp32) -> the next token id. (seed, position) keys the draw: the request's seed
+    (request_seed) and how many tokens it has generated so far."""
     if sp.greedy:
         return int(torch.argmax(logits))
     # The order of current vLLM: temperature, then min-p, then top-k and top-p.
@@ -52,4 +84,4 @@ def sample(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator)
     logits = apply_top_k(logits, sp.top_k)
     logits = apply_top_p(logits, sp.top_p)
     probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, num_samples=1, generator=generator))
+    return int(draw(probs, uniforms([seed], [position])[0].to(probs.device)))

@@ -14,7 +14,7 @@ from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutp
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .model import CausalLM, KVPool
-from .sampler import make_generator, sample_batch
+from .sampler import request_seed, sample_batch
 from .scheduler import RequestStatus, Scheduler
 
 
@@ -57,7 +57,7 @@ class Request:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # keys its draws, with the position of each token (sampler.py)
     metrics: RequestMetrics
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
@@ -196,7 +196,7 @@ class LLM:
     def _add(self, text: str | None, ids: list[int], sp: SamplingParams) -> str:
         request_id = str(self.next_request_id)
         self.next_request_id += 1
-        self.scheduler.add(Request(request_id, text, ids, sp, make_generator(sp, self.device),
+        self.scheduler.add(Request(request_id, text, ids, sp, request_seed(sp),
                                    RequestMetrics(time.perf_counter()), logprobs=[] if sp.logprobs is not None else None,
                                    detokenizer=IncrementalDetokenizer(self.tokenizer)))
         return request_id
@@ -285,7 +285,8 @@ class LLM:
         """Sample one token for each request from its row of logits [B, vocab] in one sampler call, record
         them, check which requests must stop."""
         token_logprobs = torch.log_softmax(logits, dim=-1)  # [B, vocab]
-        next_ids = sample_batch(logits, [r.params for r in requests], [r.generator for r in requests])
+        next_ids = sample_batch(logits, [r.params for r in requests], [r.seed for r in requests],
+                                [len(r.output_ids) for r in requests])
         chosen = token_logprobs[torch.arange(len(requests)), torch.tensor(next_ids, device=logits.device)].tolist()
         now = time.perf_counter()
         for r, row, next_id, logprob in zip(requests, token_logprobs, next_ids, chosen):

@@ -16,7 +16,7 @@ from shared.cli import (REPEATS, answer_question, format_table, int_at_least, pr
 
 from .detokenizer import IncrementalDetokenizer
 from .engine import LLM
-from .sampler import make_generator, sample_batch
+from .sampler import request_seed, sample_batch
 
 
 TEXT = ("Paged attention splits the KV cache into blocks. 分页注意力把缓存切成块。 It packs memory tightly 🧠📦, "
@@ -51,10 +51,10 @@ def show_lesson(llm, args) -> None:
     params = [SamplingParams(temperature=0) if i % 4 == 0 else
               SamplingParams(temperature=0.7 + 0.1 * (i % 3), top_k=50 * (i % 2), top_p=0.9, min_p=0.05 * (i % 2), seed=i)
               for i in range(b)]
-    gens = [make_generator(sp, llm.device) for sp in params]
-    per_request = median_ms(lambda: [sample_batch(logits[i:i + 1], [sp], [g]) for i, (sp, g) in
-                                     enumerate(zip(params, gens))])  # step11: one call per request
-    batched = median_ms(lambda: sample_batch(logits, params, gens))
+    seeds, positions = [request_seed(sp) for sp in params], [0] * b
+    per_request = median_ms(lambda: [sample_batch(logits[i:i + 1], [sp], [seeds[i]], [0]) for i, sp in
+                                     enumerate(params)])  # step11: one call per request
+    batched = median_ms(lambda: sample_batch(logits, params, seeds, positions))
     # Detokenizing: step11 decoded all output ids after every token; here each token decodes a short window.
     tok = llm.tokenizer
     ids = (tok.encode(TEXT) * (args.lesson_tokens // 40 + 1))[:args.lesson_tokens]

@@ -1,8 +1,9 @@
 """Turning logits into next tokens for a whole batch at once: temperature, min-p, top-k, top-p, seeded draws.
 
 Each request's parameters become one entry of a tensor ([B] temperatures, [B] top-k ...), so every filter
-is one tensor operation over the batch instead of one call per request. Each request still draws with its
-own generator: a seeded request gets the same tokens alone or in any batch.
+is one tensor operation over the batch instead of one call per request. So is the draw: each row's random
+number is a hash of its request's (seed, position), so a seeded request gets the same tokens alone or in any
+batch, with no random stream per request to draw from one at a time.
 """
 from __future__ import annotations
 
@@ -60,16 +61,45 @@ def apply_min_p(logits: torch.Tensor, min_p) -> torch.Tensor:
     return logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
 
 
-def make_generator(sp: SamplingParams, device: torch.device) -> torch.Generator:
-    """A per-request random stream: the same seed gives the same samples, whatever else runs."""
-    generator = torch.Generator(device=device)
-    seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)))
-    generator.manual_seed(seed)
-    return generator
+MASK32 = 2**32 - 1
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
-    """logits: [B, vocab] (fp32), one row per request -> the next token id of each request."""
+def request_seed(sp: SamplingParams) -> int:
+    """A request's seed: its own, or a random one. Each of its draws is keyed by (seed, position), so the same
+    seed gives the same samples whatever else runs, and there is no random state to carry between steps."""
+    return sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift, multiply, twice), on int64 tensors of values in [0, 2**32): every product
+    stays below 2**63, so nothing overflows."""
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & MASK32
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """One number in [0, 1) per (seed, position), as float64 [n] on the host: a hash of the key, not the next
+    value of a random stream (a counter-based draw). The token at position k of a seeded request gets the same
+    number alone or in any batch, and a whole batch of keys is a few tensor operations."""
+    low = torch.tensor([s & MASK32 for s in seeds])  # [n] int64: the seed's two 32-bit halves
+    high = torch.tensor([(s >> 32) & MASK32 for s in seeds])
+    h = _mix32(_mix32(_mix32(torch.tensor(positions) & MASK32) ^ high) ^ low)  # [n], in [0, 2**32)
+    return h.double() / 2**32  # at most 1 - 2**-32
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: the first token whose running sum of probabilities passes u x the total.
+    probs: [..., vocab]; u: [...] float64, on probs' device -> token ids [...]. The running sum is float64: in
+    float32, over 151,936 small probabilities, its rounding reaches a sizeable share of the rarest tokens'."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [..., vocab]
+    target = u[..., None] * cdf[..., -1:]  # [..., 1], below the total since u < 1
+    return torch.searchsorted(cdf, target, right=True)[..., 0]
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> list[int]:
+    """logits: [B, vocab] (fp32), one row per request -> the next token id of each request. seeds, positions: each
+    row's draw key (its request's seed, and how many tokens the request has generated)."""
     next_ids = torch.argmax(logits, dim=-1).tolist()  # greedy rows are done here
     rows = [i for i, sp in enumerate(params) if not sp.greedy]
     if not rows:
@@ -82,11 +112,13 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     sampled = apply_top_k(sampled, column("top_k"))
     sampled = apply_top_p(sampled, column("top_p").to(logits.dtype))
     probs = torch.softmax(sampled, dim=-1)  # [S, vocab]
-    for j, i in enumerate(rows):  # each request draws from its own stream
-        next_ids[i] = int(torch.multinomial(probs[j], num_samples=1, generator=generators[i]))
+    # one draw for every sampled row, each keyed by its request's (seed, position)
+    u = uniforms([seeds[i] for i in rows], [positions[i] for i in rows]).to(logits.device)  # [S] float64
+    for i, token in zip(rows, draw(probs, u).tolist()):
+        next_ids[i] = token
     return next_ids
 
 
-def sample(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator) -> int:
+def sample(logits: torch.Tensor, sp: SamplingParams, seed: int, position: int) -> int:
     """One request: logits [vocab] -> the next token id (a batch of one)."""
-    return sample_batch(logits[None], [sp], [generator])[0]
+    return sample_batch(logits[None], [sp], [seed], [position])[0]

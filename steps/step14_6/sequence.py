@@ -10,8 +10,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
-
 from shared import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 
 from .detokenizer import IncrementalDetokenizer
@@ -42,7 +40,7 @@ class Sequence:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator  # its own random stream (a seeded request samples the same in any batch)
+    seed: int  # keys its draws with each token's position (sampler.py): the same in any batch
     metrics: RequestMetrics
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None

@@ -120,7 +120,8 @@ class ModelRunner:
         """One sampler call for the batch: logits [B, vocab] -> (next token ids, their logprobs, all logprobs)."""
         with self.timers.phase("sample"):
             token_logprobs = torch.log_softmax(logits, dim=-1)  # [B, vocab]
-            next_ids = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            next_ids = sample_batch(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                    [len(s.output_ids) for s in seqs])
             rows = torch.arange(len(seqs), device=logits.device)
             chosen = token_logprobs[rows, torch.tensor(next_ids, device=logits.device)].tolist()
         return next_ids, chosen, token_logprobs

@@ -31,7 +31,7 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .model import CausalLM
 from .model_runner import CPU_DEFAULT_KV_TOKENS, ModelRunner, kv_bytes_per_token, kv_pool_blocks  # noqa: F401
-from .sampler import make_generator
+from .sampler import request_seed
 from .scheduler import Scheduler
 from .sequence import Finish, Sequence, SequenceStatus
 from .timers import PhaseTimers
@@ -147,7 +147,7 @@ class LLM:
     def _add(self, text: str | None, ids: list[int], sp: SamplingParams) -> str:
         request_id = str(self.next_request_id)
         self.next_request_id += 1
-        self.scheduler.add(Sequence(request_id, text, ids, sp, make_generator(sp, self.device),
+        self.scheduler.add(Sequence(request_id, text, ids, sp, request_seed(sp),
                                    RequestMetrics(time.perf_counter()), logprobs=[] if sp.logprobs is not None else None,
                                    detokenizer=IncrementalDetokenizer(self.tokenizer)))
         return request_id

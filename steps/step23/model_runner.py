@@ -210,7 +210,8 @@ class ModelRunner:
         the device; read_back brings it to the host in the step's one wait."""
         with self.timers.phase("sample"):
             token_logprobs = torch.log_softmax(logits, dim=-1)  # [B, vocab]
-            next_ids = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])  # [B], device
+            next_ids = sample_batch(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                    [len(s.output_ids) for s in seqs])  # [B], on the device
             chosen = token_logprobs.gather(1, next_ids[:, None])[:, 0]  # [B]
             # Requests that asked for logprobs=n: the n most likely of their rows, one topk per distinct n.
             asked: dict[int, list[int]] = {}
