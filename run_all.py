@@ -124,9 +124,12 @@ def run_bench(steps: list[str], args) -> int:
              "single": f"1 request (batch 1) x {args.max_tokens} new tokens",
              "mixed": f"{first['requests']} requests, prompts of 8-192 tokens, 8-{args.max_tokens} new tokens each (seeded)",
              "shared-prefix": f"{first['requests']} requests sharing a ~410-token system prompt, 32 new tokens each",
-             "nano-vllm": f"{first['requests']} requests, prompts of 100-1024 tokens, 100-1024 new tokens each (seeded)",
+             "nano-vllm": f"{first['requests']} requests, prompts of 100-1024 tokens, 100-1024 new tokens each "
+                          "(nano-vllm's bench.py draws), temperature 0.6",
+             "nano-vllm-greedy": f"{first['requests']} requests, nano-vllm's draws",
              }[args.workload]
-    print(f"\nworkload: {args.workload}, {shape}, greedy; "
+    mode = "sampled" if args.workload == "nano-vllm" else "greedy"
+    print(f"\nworkload: {args.workload}, {shape}, {mode}; "
           f"model {first['model']}, device {first['device']}, dtype {first['dtype']}; "
           f"median of {first['repeat']} run(s)")
     for hf in hfs:
@@ -171,11 +174,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--workload", default="standard", choices=["standard", "single", "mixed", "shared-prefix", "nano-vllm"],
+    parser.add_argument("--workload", default="standard", choices=["standard", "single", "mixed", "shared-prefix", "nano-vllm",
+                                                                "nano-vllm-greedy"],
                         help="benchmark workload: standard (4 chat questions), single (the first of them alone: batch 1), "
                              "mixed (64 requests of mixed lengths) "
                              "shared-prefix (32 requests sharing a long system prompt) "
-                             "or nano-vllm (nano-vllm's bench: 256 requests of 100-1024 tokens in and out)")
+                             "nano-vllm (nano-vllm's bench: 256 requests of 100-1024 tokens in and out, temperature 0.6) "
+                             "or nano-vllm-greedy (the same draws, greedy)")
     parser.add_argument("--lesson-tokens", type=int, default=None,
                         help="demos: passed to every run.py (new tokens per request in each lesson's figure)")
     parser.add_argument("--max-tokens", type=int, default=128, help="benchmark: new tokens per request")

@@ -66,17 +66,26 @@ def shared_prefix_workload(tokenizer, max_tokens: int = 128, num_requests: int =
     return prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-def nano_vllm_workload(tokenizer, max_tokens: int = 128, num_requests: int = 256, seed: int = 0):
-    """nano-vllm's bench workload, so figures compare with its published ones: 256 requests, prompts of 100-1,024
-    random token ids, 100-1,024 new tokens each (drawn from a fixed seed), ignore_eos. Greedy here (nano-vllm
-    samples at temperature 0.6; the work per token is the same). max_tokens is not used: the lengths are the
-    workload's."""
+def nano_vllm_workload(tokenizer, max_tokens: int = 128, num_requests: int = 256, seed: int = 0,
+                       temperature: float = 0.6):
+    """nano-vllm's bench workload exactly as its bench.py draws it, so figures compare with its published ones:
+    random.seed(0); 256 prompts of randint(100, 1024) ids, each randint(0, 10000); then for each request
+    SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)). That is 142,827 prompt
+    tokens and 133,966 new tokens. The same calls in the same order on a random.Random(seed), which gives the
+    global generator's sequence. Sampled, as nano-vllm runs it: sampling costs work greedy decoding does not
+    (nano_vllm_greedy_workload is the same draws at temperature 0, another workload). max_tokens is not used."""
     rng = random.Random(seed)
-    vocab = min(tokenizer.hf.vocab_size, 10000)  # nano-vllm draws its ids below 10,000
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(100, 1024), ignore_eos=True)
+    if tokenizer.hf.vocab_size <= 10000:
+        raise ValueError(f"nano-vllm's workload draws ids up to 10,000; this vocabulary has {tokenizer.hf.vocab_size}")
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=rng.randint(100, 1024))
               for _ in range(num_requests)]
     return prompts, params
+
+
+def nano_vllm_greedy_workload(tokenizer, max_tokens: int = 128, num_requests: int = 256, seed: int = 0):
+    """nano-vllm's draws (nano_vllm_workload), decoded greedily: not nano-vllm's benchmark, an easier one."""
+    return nano_vllm_workload(tokenizer, max_tokens, num_requests, seed, temperature=0.0)
 
 
 def single_workload(tokenizer, max_tokens: int = 128):
@@ -86,7 +95,8 @@ def single_workload(tokenizer, max_tokens: int = 128):
 
 
 WORKLOADS = {"standard": standard_workload, "single": single_workload, "mixed": mixed_workload,
-             "shared-prefix": shared_prefix_workload, "nano-vllm": nano_vllm_workload}
+             "shared-prefix": shared_prefix_workload, "nano-vllm": nano_vllm_workload,
+             "nano-vllm-greedy": nano_vllm_greedy_workload}
 # The engine options `python -m shared.bench` can set (each only for a step whose LLM takes it).
 ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "kv_cache_dtype", "enforce_eager",
                   "tensor_parallel_size")

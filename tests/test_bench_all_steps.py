@@ -10,17 +10,26 @@ from conftest import ROOT
 from registry import STEPS
 
 
-def test_nano_vllm_workload_is_nano_vllms_shape():
+def test_nano_vllm_workload_is_nano_vllms_draws():
+    """The same draws as nano-vllm's bench.py (random.seed(0), randint(0, 10000) ids in randint(100, 1024)-long
+    prompts, then randint(100, 1024) new tokens each, temperature 0.6, ignore_eos), replayed here on the global
+    generator exactly as its script does, and its published totals."""
+    import random
+
     from shared import Tokenizer, resolve_model
     from shared.bench import WORKLOADS
 
-    prompts, params = WORKLOADS["nano-vllm"](Tokenizer(resolve_model("random:tiny-llama")), 128)
-    assert len(prompts) == len(params) == 256
-    assert all(100 <= len(p) <= 1024 for p in prompts) and all(100 <= sp.max_tokens <= 1024 for sp in params)
-    assert all(sp.ignore_eos and sp.temperature == 0 for sp in params)
-    assert all(0 <= t < 10000 for p in prompts for t in p)
-    again, _ = WORKLOADS["nano-vllm"](Tokenizer(resolve_model("random:tiny-llama")), 128)
-    assert again == prompts  # a fixed seed: every step serves the same requests
+    tokenizer = Tokenizer(resolve_model("random:tiny-llama"))
+    prompts, params = WORKLOADS["nano-vllm"](tokenizer, 128)
+    random.seed(0)
+    theirs = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    their_max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    assert prompts == theirs and [sp.max_tokens for sp in params] == their_max_tokens
+    assert sum(map(len, prompts)) == 142_827 and sum(sp.max_tokens for sp in params) == 133_966
+    assert all(sp.ignore_eos and sp.temperature == 0.6 and sp.seed is None for sp in params)
+    greedy_prompts, greedy = WORKLOADS["nano-vllm-greedy"](tokenizer, 128)
+    assert greedy_prompts == prompts and all(sp.temperature == 0 for sp in greedy)
+    assert [sp.max_tokens for sp in greedy] == their_max_tokens
 
 
 def test_engine_options_are_read_from_each_steps_signature():

@@ -1,0 +1,136 @@
+"""nano-vllm's benchmark as nano-vllm's bench.py runs it, through several steps in one process, runs alternated.
+
+Each engine is built as nano-vllm's bench builds its own: LLM(model, max_num_seqs=256, max_num_batched_tokens=16384),
+one warm-up request (`generate(["Benchmark: "], SamplingParams())`), then the clock around one `generate` call of
+the whole workload (shared/bench.py's nano_vllm_workload: nano-vllm's draws, temperature 0.6, ignore_eos) and
+tokens/s = the requests' max_tokens summed (133,966) over its seconds. The engines stay alive side by side (each
+takes its share of the GPU's memory: gpu_memory_utilization counts what the earlier ones hold, so the k-th gets
+k x --share), and the runs alternate: step A, step B, step C, step A, ... so a slow spell of the host weighs on
+every step alike. Then, on the newest step: batch 1 (one prompt of 128 random ids, 512 new tokens), and one run
+of the workload with the phase timers waiting for the GPU at each phase's end (ms per engine step by phase).
+
+    python docs/data/bench_host_path.py --steps step20 step21 step24 --repeats 3 --out $OUT/host_path.jsonl
+    python docs/data/bench_host_path.py --model random:tiny-qwen3 --device cpu --requests 4 --steps step21 step24
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs" / "data"))
+
+import torch  # noqa: E402
+
+from shared import SamplingParams  # noqa: E402
+from shared.bench import nano_vllm_workload  # noqa: E402
+
+
+def emit(record: dict, out) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_generate(llm, prompts, params, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="random:qwen3-0.6b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--steps", nargs="+", default=["step20", "step21", "step24"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--share", type=float, default=0.28, help="each engine's share of the GPU's memory")
+    parser.add_argument("--requests", type=int, default=256, help="fewer for a dry run (the draws' first ones)")
+    parser.add_argument("--batch1-tokens", type=int, default=512)
+    parser.add_argument("--before", default=None, metavar="STEPS_ROOT",
+                        help="also the newest step of this older tree of steps (git archive <commit> steps | tar -x), "
+                             "as '<step>-before', in the same alternation")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    common = dict(device=args.device, command=" ".join(sys.argv), model=args.model,
+                  gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
+    engines = {}
+    names = list(args.steps) + ([f"{args.steps[-1]}-before"] if args.before else [])
+    for k, step in enumerate(names, start=1):
+        if step.endswith("-before"):
+            from bench_hot_path import load_engine  # docs/data/bench_hot_path.py: a step of another tree
+
+            LLM = load_engine(Path(args.before), args.steps[-1], "before_tree").LLM
+        else:
+            LLM = importlib.import_module(f"steps.{step}.engine").LLM
+        options = dict(max_num_seqs=256, max_num_batched_tokens=16384)
+        if args.device == "cuda":
+            options["gpu_memory_utilization"] = min(k * args.share, 0.95)
+        else:
+            options["max_kv_tokens"] = 65536
+        start = time.perf_counter()
+        llm = LLM(args.model, device=args.device, **options)
+        llm.generate(["Benchmark: "], SamplingParams())  # nano-vllm's warm-up
+        engines[step] = llm
+        print(f"[host_path] {step} built and warmed up in {time.perf_counter() - start:.1f} s", file=sys.stderr,
+              flush=True)
+    tokenizer = next(iter(engines.values())).tokenizer
+    workloads = {}
+    for name, temperature in (("nano-vllm", 0.6), ("nano-vllm-greedy", 0.0)):
+        prompts, params = nano_vllm_workload(tokenizer, temperature=temperature)
+        workloads[name] = (prompts[:args.requests], params[:args.requests])
+    runs: dict[tuple, list] = {}
+    for repeat in range(args.repeats):
+        for name, (prompts, params) in workloads.items():
+            for step, llm in engines.items():
+                before = dict(llm.stats)
+                seconds = timed_generate(llm, prompts, params, args.device)
+                tokens = sum(sp.max_tokens for sp in params)
+                runs.setdefault((name, step), []).append(tokens / seconds)
+                counters = {key: llm.stats[key] - before.get(key, 0) for key in llm.stats
+                            if isinstance(llm.stats[key], (int, float)) and key in ("forwards", "graph_replays",
+                                                                                    "eager_forwards", "preemptions",
+                                                                                    "syncs", "steps")}
+                emit({**common, "kind": "run", "workload": name, "step": step, "repeat": repeat, "tokens": tokens,
+                      "seconds": seconds, "tokens_per_s": tokens / seconds, "counters": counters}, args.out)
+    for (name, step), values in runs.items():
+        emit({**common, "kind": "median", "workload": name, "step": step, "repeats": len(values),
+              "tokens_per_s": statistics.median(values), "all": values}, args.out)
+    newest = args.steps[-1]
+    llm = engines[newest]
+    # batch 1: one prompt of 128 random ids (nano-vllm's id range), 512 new tokens, median of --repeats
+    prompt = nano_vllm_workload(tokenizer)[0][0][:128]
+    for temperature in (0.6, 0.0):
+        sp = SamplingParams(temperature=temperature, max_tokens=args.batch1_tokens, ignore_eos=True)
+        values = [args.batch1_tokens / timed_generate(llm, [prompt], sp, args.device) for _ in range(args.repeats)]
+        emit({**common, "kind": "batch1", "step": newest, "temperature": temperature, "prompt_tokens": len(prompt),
+              "new_tokens": args.batch1_tokens, "tokens_per_s": statistics.median(values), "all": values}, args.out)
+    # by phase: one run of the sampled workload with the phase timers waiting for the GPU at each phase's end
+    prompts, params = workloads["nano-vllm"]
+    llm.timers.reset()
+    llm.timers.sync = True
+    seconds = timed_generate(llm, prompts, params, args.device)
+    llm.timers.sync = False
+    steps = max(llm.timers.steps, 1)
+    emit({**common, "kind": "phases", "step": newest, "workload": "nano-vllm", "engine_steps": llm.timers.steps,
+          "seconds": seconds, "ms_per_step": {name: s * 1000 / steps for name, s in llm.timers.seconds.items()}},
+         args.out)
+
+
+if __name__ == "__main__":
+    main()
