@@ -364,11 +364,12 @@ def run_hf_bench(model: str, device=None, dtype=None, workload: str = "standard"
 
 def _hf_cb_stop_ids(sp: SamplingParams, eos_token_ids: set[int]) -> list[int] | int:
     """The token ids at which HF's continuous batching ends one request (its own rule: each request is added
-    alone), or -1 (none: the request runs to its max_new_tokens). Greedy without stop strings only: the manager
-    has no stop strings, and sampling would not give tokens comparable with the steps'."""
-    if sp.temperature != 0 or sp.stop:
-        raise ValueError("--hf cb: the HF baseline runs greedy without stop strings; this workload samples or uses "
-                         "stop strings")
+    alone), or -1 (none: the request runs to its max_new_tokens). No stop strings: the manager has none. A sampled
+    request must ignore EOS (nano-vllm's workload does): its length is then max_tokens whatever it draws, so the
+    work compares with the steps' although the tokens do not."""
+    if sp.stop or (sp.temperature != 0 and not sp.ignore_eos):
+        raise ValueError("--hf cb: the HF baseline runs without stop strings, and samples only with ignore_eos; "
+                         "this workload has stop strings or samples to EOS")
     ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos_token_ids)
     return sorted(ids) or -1  # -1: no EOS (add_request would otherwise take the generation config's)
 
@@ -389,7 +390,8 @@ def run_hf_cb_bench(model: str, device=None, dtype=None, workload: str = "standa
     """The same workload through HF transformers' continuous batching, served as a user would serve many
     requests: the model's `continuous_batching_context_manager` (the manager of `init_continuous_batching`,
     which `generate_batch` also uses), every request added with `add_request` and its own max_new_tokens and
-    stop ids, results read with `get_result`. Greedy. The manager starts once (with its warm-up) and serves the
+    stop ids, results read with `get_result`. Greedy, or sampled at the workload's temperature (one for all its
+    requests; nano-vllm's workload: 0.6) with no other filter. The manager starts once (with its warm-up) and serves the
     warm-up request and the `repeat` timed runs, like a server; the median run is reported.
     TTFT per request: its first token's timestamp (record_timestamps) minus the moment the requests were added."""
     import torch
@@ -412,8 +414,14 @@ def run_hf_cb_bench(model: str, device=None, dtype=None, workload: str = "standa
     pad_id = tokenizer.hf.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.hf.eos_token_id if tokenizer.hf.eos_token_id is not None else min(tokenizer.eos_token_ids)
-    generation_config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new, pad_token_id=pad_id,
-                                         eos_token_id=sorted(tokenizer.eos_token_ids))
+    temperatures = {sp.temperature for sp in params}
+    if len(temperatures) != 1:
+        raise ValueError(f"--hf cb: one temperature for the whole workload (HF's manager takes one), not {temperatures}")
+    temperature = temperatures.pop()  # a sampled workload (nano-vllm's, at 0.6) samples here too: no top-k, no top-p
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+    generation_config = GenerationConfig(num_beams=1, max_new_tokens=max_new, pad_token_id=pad_id,
+                                         eos_token_id=sorted(tokenizer.eos_token_ids), **sampling)
     cb_config = _hf_cb_cpu_config(prompt_ids, params) if device.type == "cpu" else None
     hints = WorkloadHints(max_prompt_length=max(len(ids) for ids in prompt_ids), max_generated_length=max_new,
                           num_requests=len(prompt_ids))  # what generate_batch tells the manager
