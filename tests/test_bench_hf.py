@@ -68,8 +68,10 @@ def test_hf_cb_stops_each_request_by_its_own_rule():
     assert _hf_cb_stop_ids(SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), eos) == -1  # none
     assert _hf_cb_stop_ids(SamplingParams(temperature=0, ignore_eos=True, stop_token_ids=[7]), eos) == [7]
     assert _hf_cb_stop_ids(SamplingParams(temperature=0, stop_token_ids=[7]), eos) == [0, 2, 7]
+    # sampled with ignore_eos (nano-vllm's workload): each request runs to its max_tokens, as in the steps
+    assert _hf_cb_stop_ids(SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True), eos) == -1
     for sp in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, stop=["."])):
-        with pytest.raises(ValueError, match="--hf cb: the HF baseline runs greedy without stop strings"):
+        with pytest.raises(ValueError, match="--hf cb: the HF baseline runs without stop strings, and samples only"):
             _hf_cb_stop_ids(sp, eos)
 
 

@@ -1,5 +1,5 @@
 """docs/data/raw/h200_host_path/*.jsonl (docs/data/bench_host_path.py's lines, HF's BENCH_JSON line) -> one summary,
-docs/data/h200_host_path.json: per call, the medians by (workload, step), batch 1, the phases, and HF's run.
+docs/data/raw/h200_host_path/summary.json: per call, the medians by (workload, step), batch 1, the phases, and HF's run.
 
     python docs/data/collect_host_path.py
 """
@@ -42,7 +42,7 @@ def main() -> None:
                         "step24 before the keyed sampler (commit 1f7a7d6) in one call, one run each, with HF "
                         "transformers' continuous batching on the same workload in that call",
                "env": " ".join(env), "calls": calls}
-    (HERE / "h200_host_path.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (RAW / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v["medians"] for k, v in calls.items()}, indent=1))
 
 
