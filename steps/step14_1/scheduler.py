@@ -53,7 +53,7 @@ class Scheduler:
         for r in [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]:
             if len(decodes) == budget:
                 break
-            if r in self.running and self._make_room(r, r.num_tokens):  # r may itself have been preempted
+            if r.status is SequenceStatus.RUNNING and self._make_room(r, r.num_tokens):  # r may have been preempted
                 decodes.append(r)
         budget -= len(decodes)
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]

@@ -54,7 +54,7 @@ class Scheduler:
         for r in sorted(self.running, key=behind):  # stable: equally behind, the older request first
             if budget == 0:
                 break
-            if r not in self.running:  # preempted while making room for a request before it
+            if r.status is not SequenceStatus.RUNNING:  # preempted while making room for a request before it
                 continue
             if behind(r) == 1 and not self._make_room(r):  # its newest token may need a new block
                 continue
