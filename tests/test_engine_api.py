@@ -32,6 +32,7 @@ def assert_clean(llm, step):
     """Nothing queued, nothing running, no KV memory held."""
     assert not llm.has_unfinished_requests()
     assert not llm.scheduler.running and not llm.scheduler.waiting
+    assert not llm.scheduler.requests, f"requests left in scheduler.requests: {list(llm.scheduler.requests)}"
     if has(step, "kv_budget_in_tokens"):
         assert llm.scheduler.reserved_tokens == 0
     if has(step, "paged_kv"):
@@ -127,6 +128,39 @@ def test_preempted_status(step):
         llm.step()
         seen |= {r.status for r in llm.scheduler.waiting}
     assert status.PREEMPTED in seen and llm.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("step", SCHEDULED)
+def test_requests_by_id_are_the_queued_and_running_ones(step):
+    """scheduler.requests (what abort_request looks up by id) holds exactly the waiting and running requests after
+    every add, step and abort: a preempted request stays, a finished or aborted one leaves (no stale entry)."""
+    options = {"max_kv_tokens": 80} if has(step, "preemption") else {}
+    if has(step, "paged_kv"):
+        options["block_size"] = 16
+    llm = engine(step, max_num_seqs=4, **options)
+
+    def check():
+        queued = [*llm.scheduler.waiting, *llm.scheduler.running]
+        assert len(llm.scheduler.requests) == len(queued)
+        assert all(llm.scheduler.requests.get(r.request_id) is r for r in queued)
+
+    ids = [llm.add_request(p, greedy(n)) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    check()
+    llm.abort_request(ids[-1])  # still waiting
+    check()
+    aborted_running = None
+    while llm.has_unfinished_requests():
+        llm.step()
+        if aborted_running is None and llm.scheduler.running:
+            aborted_running = llm.scheduler.running[-1].request_id
+            llm.abort_request(aborted_running)
+        check()
+    assert aborted_running is not None
+    if has(step, "preemption"):
+        assert llm.scheduler.num_preemptions > 0  # the preempted requests were checked while they waited again
+    llm.abort_request(ids[0])  # finished already: nothing to drop
+    llm.abort_request("no such request")
+    assert_clean(llm, step)
 
 
 @pytest.mark.parametrize("step", SCHEDULED)

@@ -117,10 +117,10 @@ class LLM:
 
     def abort_request(self, request_id: str) -> None:
         """Drop a waiting or running request: it leaves the queues, releases its KV memory and is never returned."""
-        for r in [*self.scheduler.waiting, *self.scheduler.running]:
-            if r.request_id == request_id:
-                self.scheduler.finish(r)
-                r.cache = None
+        r = self.scheduler.requests.get(request_id)
+        if r is not None:
+            self.scheduler.finish(r)
+            r.cache = None
 
     def step(self) -> list[RequestOutput]:
         """One iteration: prefill the requests that join, or decode one token for every running request.

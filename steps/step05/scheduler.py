@@ -24,10 +24,12 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque = deque()  # arrived, not started
         self.running: list = []  # started: each holds a KV cache
+        self.requests: dict = {}  # every waiting or running request, by request_id
 
     def add(self, request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self.requests[request.request_id] = request
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -47,4 +49,5 @@ class Scheduler:
     def finish(self, request) -> None:
         """The request leaves for good (finished, or aborted while waiting or running), releasing its KV memory."""
         (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
+        del self.requests[request.request_id]
         request.status = RequestStatus.FINISHED

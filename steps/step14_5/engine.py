@@ -127,9 +127,9 @@ class LLM:
 
     def abort_request(self, request_id: str) -> None:
         """Drop a waiting or running request: it leaves the queues, releases its KV memory and is never returned."""
-        for r in [*self.scheduler.waiting, *self.scheduler.running]:
-            if r.request_id == request_id:
-                self.scheduler.finish(r)
+        r = self.scheduler.requests.get(request_id)
+        if r is not None:
+            self.scheduler.finish(r)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: decode one token for every decoding request, then prefill the scheduled prompt

@@ -27,10 +27,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.waiting: deque = deque()  # arrived, not started
         self.running: list = []  # started: each owns KV blocks
+        self.requests: dict = {}  # every waiting or running request, by request_id
 
     def add(self, request) -> None:
         request.status = SequenceStatus.WAITING
         self.waiting.append(request)
+        self.requests[request.request_id] = request
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,5 +94,6 @@ class Scheduler:
     def finish(self, request) -> None:
         """The request leaves for good (finished, or aborted while waiting or running), releasing its KV memory."""
         (self.running if request.status is SequenceStatus.RUNNING else self.waiting).remove(request)
+        del self.requests[request.request_id]
         self.block_manager.release(request)
         request.status = SequenceStatus.FINISHED

@@ -307,7 +307,7 @@ class LLM:
         if request_id is None:
             request_id = str(self.next_request_id)
             self.next_request_id += 1
-        elif any(r.request_id == request_id for r in [*self.scheduler.waiting, *self.scheduler.running]):
+        elif request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already queued or running")
         self.scheduler.add(Sequence(request_id, text, ids, sp, request_seed(sp),
                                    RequestMetrics(time.perf_counter()), logprobs=[] if sp.logprobs is not None else None,
@@ -320,11 +320,10 @@ class LLM:
     def abort_request(self, request_id: str) -> Sequence | None:
         """Drop a waiting or running request: it leaves the queues, releases its KV memory and is never returned.
         -> the dropped sequence (None: no such request is queued or running)."""
-        for r in [*self.scheduler.waiting, *self.scheduler.running]:
-            if r.request_id == request_id:
-                self.scheduler.finish(r)
-                return r
-        return None
+        r = self.scheduler.requests.get(request_id)
+        if r is not None:
+            self.scheduler.finish(r)
+        return r
 
     def step(self, partial: bool = False) -> list[RequestOutput]:
         """One iteration: every running request computes the tokens the scheduler gave it (one for a decode, a
