@@ -71,6 +71,7 @@ def test_sixteen_streams_equal_the_offline_engine(engine, offline):
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), f"stream {i}: a text shrank: {texts}"
         counts = [len(o.outputs[0].token_ids) for o in outs]
         assert counts == sorted(set(counts)) and counts[0] >= 1, f"stream {i}: token counts {counts}"
+        assert all(o.prompt_token_ids == r.prompt_token_ids for o in outs), i
     # one output per token, except those passed over for a newer one (none while every caller keeps up)
     outputs, tokens = sum(map(len, streams)), sum(len(r.outputs[0].token_ids) for r in ref)
     assert outputs + engine.stats["coalesced"] - coalesced == tokens
