@@ -75,6 +75,7 @@ def test_sixteen_streams_equal_the_offline_engine(engine, offline):
     # one output per token, except those passed over for a newer one (none while every caller keeps up)
     outputs, tokens = sum(map(len, streams)), sum(len(r.outputs[0].token_ids) for r in ref)
     assert outputs + engine.stats["coalesced"] - coalesced == tokens
+    assert not engine._submitted  # the step loop's record of what it gave the LLM keeps no finished request
 
 
 def test_one_wake_up_of_the_event_loop_per_step(engine):
@@ -177,6 +178,7 @@ def test_abort_frees_the_blocks_before_it_returns(engine):
     assert held < free
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert not engine.llm.has_unfinished_requests() and engine.stats["aborted"] == 1
+    assert not engine._submitted and not engine.llm.scheduler.requests
 
 
 @pytest.mark.parametrize("how", ["break", "cancel"])
@@ -227,6 +229,7 @@ def test_a_failed_step_reaches_every_stream_and_the_engine_goes_on(engine, offli
     results = asyncio.run(main())
     assert all(isinstance(r, module.EngineStepError) and "injected failure" in str(r) for r in results), results
     assert engine.stats["failed_steps"] == 1 and not engine.llm.has_unfinished_requests()
+    assert not engine._submitted and not engine.llm.scheduler.requests  # the dropped requests left both records
     assert engine.llm.block_manager.num_free_blocks == engine.llm.block_manager.num_blocks
     again = asyncio.run(collect(engine, "stream 0", params))  # the engine serves the next request
     assert again[-1].outputs[0].text == offline.generate(["stream 0"], params)[0].outputs[0].text

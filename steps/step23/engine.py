@@ -474,6 +474,7 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _streams (the event loop adds and removes, the step thread reads)
         self._streams: dict[str, _Stream] = {}
+        self._submitted: set[str] = set()  # the step thread's: requests it gave the LLM, not yet finished or aborted
         self._ids = itertools.count()
         self._stopped = False
         self.stats = {"steps": 0, "failed_steps": 0, "aborted": 0, "coalesced": 0, "step_thread_cpu_s": 0.0}
@@ -553,16 +554,17 @@ class AsyncLLM:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            before = {r.request_id for r in [*llm.scheduler.waiting, *llm.scheduler.running]}
             try:
                 outputs = llm.step(partial=True)
             except Exception as e:  # the step's requests were dropped (LLM._step): their streams end with the error
                 self.stats["failed_steps"] += 1
-                after = {r.request_id for r in [*llm.scheduler.waiting, *llm.scheduler.running]}
-                for request_id in before - after:
+                dropped = [request_id for request_id in self._submitted if request_id not in llm.scheduler.requests]
+                self._submitted.difference_update(dropped)
+                for request_id in dropped:
                     self._deliver(request_id, EngineStepError(f"the engine step failed: {type(e).__name__}: {e}"))
                 continue
             self.stats["steps"] += 1
+            self._submitted.difference_update(out.request_id for out in outputs if out.finished)
             self._deliver_all([(out.request_id, out) for out in outputs])
             self.stats["step_thread_cpu_s"] = time.thread_time()  # this thread's CPU time so far
 
@@ -581,10 +583,12 @@ class AsyncLLM:
                 if wanted:
                     try:
                         self.llm._add(*payload, request_id=request_id)
+                        self._submitted.add(request_id)
                     except ValueError as e:  # queued twice: the first one runs on
                         self._deliver(request_id, e)
             elif kind == "abort":
                 seq = self.llm.abort_request(request_id)
+                self._submitted.discard(request_id)
                 if seq is not None:
                     self.stats["aborted"] += 1
                     out = seq.partial_output()
