@@ -88,13 +88,33 @@ def uniforms(seeds: list[int], positions: list[int]) -> torch.Tensor:
     return h.double() / 2**32  # at most 1 - 2**-32
 
 
+DRAW_BLOCK = 128  # tokens per block of the two-level search in draw
+
+
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: the first token whose running sum of probabilities passes u x the total.
-    probs: [..., vocab]; u: [...] float64, on probs' device -> token ids [...]. The running sum is float64: in
-    float32, over 151,936 small probabilities, its rounding reaches a sizeable share of the rarest tokens'."""
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [..., vocab]
-    target = u[..., None] * cdf[..., -1:]  # [..., 1], below the total since u < 1
-    return torch.searchsorted(cdf, target, right=True)[..., 0]
+    probs: [..., vocab]; u: [...] float64, on probs' device -> token ids [...].
+
+    In two levels, so the whole vocabulary is read once and no running sum of it is written: the sums of blocks of
+    DRAW_BLOCK tokens, their running sum (float64) to find the block u falls in, then the running sum (float64) of
+    that one block's tokens. u's offset into its block is scaled by the block's running total over its block sum
+    (the two sums' rounding differ), so every token keeps its probability to float32's relative precision, the
+    rarest included; a token of probability 0 is never drawn."""
+    vocab = probs.shape[-1]
+    rows = probs.reshape(-1, vocab)
+    if vocab % DRAW_BLOCK:  # pad the vocabulary to whole blocks with tokens of probability 0
+        rows = torch.nn.functional.pad(rows, (0, DRAW_BLOCK - vocab % DRAW_BLOCK))
+    blocks = rows.view(rows.shape[0], -1, DRAW_BLOCK)  # [R, blocks, DRAW_BLOCK]
+    sums = blocks.sum(-1).double()  # [R, blocks]
+    cdf = sums.cumsum(-1)  # [R, blocks]
+    target = u.reshape(-1, 1) * cdf[:, -1:]  # [R, 1], below the total since u < 1
+    block = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # [R, 1]: cdf[block] > target
+    offset = target - torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), 0.0)  # into the block
+    inner = blocks.gather(1, block[:, :, None].expand(-1, 1, DRAW_BLOCK))[:, 0].double().cumsum(-1)  # [R, DRAW_BLOCK]
+    offset = offset * inner[:, -1:] / sums.gather(1, block)  # on the scale of the block's own running sum
+    offset = torch.minimum(offset, torch.nextafter(inner[:, -1:], torch.zeros_like(offset)))  # inside the block
+    token = block * DRAW_BLOCK + torch.searchsorted(inner, offset, right=True)  # [R, 1]
+    return token.view(probs.shape[:-1])
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> list[int]:
