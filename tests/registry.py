@@ -37,6 +37,7 @@ The features (the step that brings each one in is where its lesson is tested in 
     fused_kernels       kernels/fused.py: residual add + RMSNorm, SiLU * up, q/k norm + RoPE (Triton)
     int8_kv             kv_cache_dtype="int8": K/V stored as int8 with a scale per token and KV head
     cuda_graphs         cuda_graphs.py: the decode forward captured per batch bucket and replayed; enforce_eager
+    fused_sampler       kernels/sampling.py: the draw and the chosen tokens' logprobs as one kernel (no filters)
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ step("step17", 6, adds=("flash_decoding",))
 step("step18", 6, adds=("mixed_batch_kernel",), removes=("triton_prefill",))
 step("step19", 6, adds=("fused_kernels",))
 step("step20", 6, adds=("int8_kv",))
-step("step21", 7, adds=("cuda_graphs",))
+step("step21", 7, adds=("cuda_graphs", "fused_sampler"))
 step("step22", 7, adds=("tensor_parallel",))
 step("step23", 8, adds=("async_engine",))
 step("step24", 8, adds=("openai_server",))

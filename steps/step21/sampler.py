@@ -142,6 +142,11 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return token.view(probs.shape[:-1])
 
 
+def wants_filters(params: list[SamplingParams], vocab: int) -> bool:
+    """Does any row ask for min-p, top-k (a cut below the vocabulary) or top-p? Decided on the host."""
+    return any(sp.min_p > 0 or 0 < sp.top_k < vocab or sp.top_p < 1 for sp in params)
+
+
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                  positions: list[int]) -> torch.Tensor:
     """logits: [B, vocab] (fp32), one row per request -> the next token id of each request: int64 [B], on the

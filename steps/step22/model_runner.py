@@ -28,7 +28,8 @@ import torch
 from .cuda_graphs import DecodeGraphs
 from .model import CausalLM, KVCache, slot_mapping, to_device  # noqa: F401  (to_device: imported from here too)
 from .parallel import WorkerError
-from .sampler import sample_batch
+from .kernels.sampling import draw_params, fused_draw, triton
+from .sampler import sample_batch, wants_filters
 from .sequence import Sequence
 
 CPU_DEFAULT_KV_TOKENS = 32768  # on the CPU, max_kv_tokens sizes the cache (default 32768 tokens)
@@ -60,6 +61,10 @@ class ModelRunner:
         self.use_graphs, self.max_num_seqs = use_graphs, max_num_seqs  # graphs: decided by the engine (CUDA only)
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
         self.scratch_block: int | None = None  # the cache block no sequence owns (padding rows write there)
+        # the draw as one kernel (kernels/sampling.py) where the kernels run: CUDA, the triton backend's layer ops
+        self.fused_sampler = (triton is not None and device.type == "cuda"
+                              and getattr(getattr(model, "ops", None), "name", None) == "triton")
+        self.draws = {"fused": 0, "torch": 0}  # sampling steps by path
         self.workers = workers  # rank 0 of a tensor-parallel group: parallel.py's Workers (None: alone, or a worker)
 
     # ---- the KV cache -------------------------------------------------------------------------------------
@@ -207,20 +212,32 @@ class ModelRunner:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float], list]:
         """One sampler call for the batch: logits [B, vocab] -> (next token ids, their logprobs, and for each
         sequence that asked for logprobs its top ones as {token: logprob}, else None). Everything is computed on
-        the device; read_back brings it to the host in the step's one wait."""
+        the device; read_back brings it to the host in the step's one wait. When some row samples, none asks for a
+        filter and the kernels run (CUDA, the triton backend), the draw and the chosen tokens' logprobs are one
+        kernel (kernels/sampling.py); else sampler.py's operators."""
         with self.timers.phase("sample"):
-            token_logprobs = torch.log_softmax(logits, dim=-1)  # [B, vocab]
-            next_ids = sample_batch(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                                    [len(s.output_ids) for s in seqs])  # [B], on the device
-            chosen = token_logprobs.gather(1, next_ids[:, None])[:, 0]  # [B]
+            params = [s.params for s in seqs]
+            positions = [len(s.output_ids) for s in seqs]
+            token_logprobs = None
+            sampled = any(not sp.greedy for sp in params)  # greedy only: one argmax, below
+            if self.fused_sampler and sampled and not wants_filters(params, logits.shape[-1]):
+                self.draws["fused"] += 1
+                keys = draw_params([sp.temperature for sp in params], [s.seed for s in seqs], positions)
+                next_ids, chosen = fused_draw(logits, to_device(keys, logits.device))  # [B], [B], on the device
+            else:
+                self.draws["torch"] += 1
+                token_logprobs = torch.log_softmax(logits, dim=-1)  # [B, vocab]
+                next_ids = sample_batch(logits, params, [s.seed for s in seqs], positions)  # [B], on the device
+                chosen = token_logprobs.gather(1, next_ids[:, None])[:, 0]  # [B]
             # Requests that asked for logprobs=n: the n most likely of their rows, one topk per distinct n.
             asked: dict[int, list[int]] = {}
-            for i, s in enumerate(seqs):
-                if s.params.logprobs is not None:
-                    asked.setdefault(s.params.logprobs, []).append(i)
+            for i, sp in enumerate(params):
+                if sp.logprobs is not None:
+                    asked.setdefault(sp.logprobs, []).append(i)
             tops = []
             for n, rows in asked.items():
-                picked = token_logprobs[to_device(torch.tensor(rows), logits.device)]
+                index = to_device(torch.tensor(rows), logits.device)
+                picked = token_logprobs[index] if token_logprobs is not None else torch.log_softmax(logits[index], -1)
                 values, ids = picked.topk(n, dim=-1) if n > 0 else (picked[:, :0], picked[:, :0].long())
                 tops += [values, ids]
             next_list, chosen_list, *top_lists = self.read_back(next_ids, chosen, *tops)
