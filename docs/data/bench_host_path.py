@@ -6,8 +6,9 @@ the whole workload (shared/bench.py's nano_vllm_workload: nano-vllm's draws, tem
 tokens/s = the requests' max_tokens summed (133,966) over its seconds. The engines stay alive side by side (each
 takes its share of the GPU's memory: gpu_memory_utilization counts what the earlier ones hold, so the k-th gets
 k x --share), and the runs alternate: step A, step B, step C, step A, ... so a slow spell of the host weighs on
-every step alike. Then, on the newest step: batch 1 (one prompt of 128 random ids, 512 new tokens), and one run
-of the workload with the phase timers waiting for the GPU at each phase's end (ms per engine step by phase).
+every step alike. Then, for every step: batch 1 (one prompt of 128 random ids, 512 new tokens, alternated too), one
+run of the workload with the phase timers waiting for the GPU at each phase's end (ms per engine step by phase),
+and on CUDA the GPU's busy share of engine steps 60-80 of the workload (every seat decoding), from the profiler.
 
     python docs/data/bench_host_path.py --steps step20 step21 step24 --repeats 3 --out $OUT/host_path.jsonl
     python docs/data/bench_host_path.py --model random:tiny-qwen3 --device cpu --requests 4 --steps step21 step24
@@ -65,6 +66,8 @@ def main() -> None:
     parser.add_argument("--before", default=None, metavar="STEPS_ROOT",
                         help="also the newest step of this older tree of steps (git archive <commit> steps | tar -x), "
                              "as '<step>-before', in the same alternation")
+    parser.add_argument("--busy-steps", nargs=2, type=int, default=[60, 80], metavar=("FIRST", "LAST"),
+                        help="the engine steps of the sampled workload whose GPU-busy share is measured")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     common = dict(device=args.device, command=" ".join(sys.argv), model=args.model,
@@ -86,6 +89,7 @@ def main() -> None:
         start = time.perf_counter()
         llm = LLM(args.model, device=args.device, **options)
         llm.generate(["Benchmark: "], SamplingParams())  # nano-vllm's warm-up
+        llm._bench_name = step
         engines[step] = llm
         print(f"[host_path] {step} built and warmed up in {time.perf_counter() - start:.1f} s", file=sys.stderr,
               flush=True)
@@ -111,26 +115,59 @@ def main() -> None:
     for (name, step), values in runs.items():
         emit({**common, "kind": "median", "workload": name, "step": step, "repeats": len(values),
               "tokens_per_s": statistics.median(values), "all": values}, args.out)
-    newest = args.steps[-1]
-    llm = engines[newest]
-    # batch 1: one prompt of 128 random ids (nano-vllm's id range), 512 new tokens, median of --repeats
+    # batch 1: one prompt of 128 random ids (nano-vllm's id range), 512 new tokens, median of --repeats, alternated
     prompt = nano_vllm_workload(tokenizer)[0][0][:128]
     for temperature in (0.6, 0.0):
         sp = SamplingParams(temperature=temperature, max_tokens=args.batch1_tokens, ignore_eos=True)
-        values = [args.batch1_tokens / timed_generate(llm, [prompt], sp, args.device) for _ in range(args.repeats)]
-        emit({**common, "kind": "batch1", "step": newest, "temperature": temperature, "prompt_tokens": len(prompt),
-              "new_tokens": args.batch1_tokens, "tokens_per_s": statistics.median(values), "all": values}, args.out)
-    # by phase: one run of the sampled workload with the phase timers waiting for the GPU at each phase's end
+        batch1: dict[str, list] = {}
+        for _ in range(args.repeats):
+            for step, llm in engines.items():
+                batch1.setdefault(step, []).append(args.batch1_tokens / timed_generate(llm, [prompt], sp, args.device))
+        for step, values in batch1.items():
+            emit({**common, "kind": "batch1", "step": step, "temperature": temperature, "prompt_tokens": len(prompt),
+                  "new_tokens": args.batch1_tokens, "tokens_per_s": statistics.median(values), "all": values},
+                 args.out)
     prompts, params = workloads["nano-vllm"]
-    llm.timers.reset()
-    llm.timers.sync = True
-    seconds = timed_generate(llm, prompts, params, args.device)
-    llm.timers.sync = False
-    steps = max(llm.timers.steps, 1)
-    emit({**common, "kind": "phases", "step": newest, "workload": "nano-vllm", "engine_steps": llm.timers.steps,
-          "seconds": seconds, "ms_per_step": {name: s * 1000 / steps for name, s in llm.timers.seconds.items()}},
-         args.out)
+    for step, llm in engines.items():
+        # by phase: one run of the sampled workload with the phase timers waiting for the GPU at each phase's end
+        llm.timers.reset()
+        llm.timers.sync = True
+        seconds = timed_generate(llm, prompts, params, args.device)
+        llm.timers.sync = False
+        steps = max(llm.timers.steps, 1)
+        emit({**common, "kind": "phases", "step": step, "workload": "nano-vllm", "engine_steps": llm.timers.steps,
+              "seconds": seconds, "ms_per_step": {name: s * 1000 / steps for name, s in llm.timers.seconds.items()}},
+             args.out)
+        if args.device == "cuda":
+            emit({**common, **gpu_busy(llm, prompts, params, args.busy_steps)}, args.out)
 
+
+def gpu_busy(llm, prompts, params, window: tuple[int, int]) -> dict:
+    """The engine's own steps first..last of the sampled workload (by then every seat decodes: 256 rows), timed on
+    the host, and the GPU's kernels in them from the profiler (CUDA activity only: the host is not slowed by op
+    recording). Kernels on one stream do not overlap, so their summed time is the time the GPU was busy."""
+    first, last = window
+    for prompt, sp in zip(prompts, params):
+        llm.add_request(prompt, sp)
+    for _ in range(first):
+        llm.step()
+    rows = len(llm.scheduler.running)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(last - first):
+            llm.step()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    while llm.has_unfinished_requests():
+        llm.step()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False) and e.name not in llm.timers.seconds]
+    busy_us = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) for e in kernels)
+    steps = last - first
+    return {"kind": "gpu_busy", "step": getattr(llm, "_bench_name", None), "engine_steps": [first, last],
+            "running_rows": rows, "ms_per_step": seconds * 1000 / steps, "gpu_busy_ms_per_step": busy_us / 1000 / steps,
+            "gpu_busy_share": busy_us / 1e6 / seconds, "kernels_per_step": len(kernels) / steps}
 
 if __name__ == "__main__":
     main()
