@@ -222,6 +222,37 @@ def test_incremental_text_equals_full_decode(step):
 
 
 @pytest.mark.parametrize("step", BATCHED)
+def test_tokens_that_decode_to_nothing_do_not_grow_the_window(step):
+    """An id the tokenizer has no text for (a random-weight model of a larger vocabulary emits many) is a piece of
+    its own: the text still equals the full decode, and each token's decode stays a few tokens long instead of
+    growing with every such token (O(n) per token, O(n^2) per request)."""
+    import importlib
+
+    detokenizer = importlib.import_module(f"steps.{step}.detokenizer")
+    from shared import Tokenizer
+
+    tok = Tokenizer(resolve_model("smollm2-135m"))
+    nothing = tok.vocab_size + 7 if hasattr(tok, "vocab_size") else 100_000
+    assert tok.decode([nothing]) == ""
+    widths = []
+
+    class Counting:
+        def decode(self, ids):
+            widths.append(len(ids))
+            return tok.decode(ids)
+
+    ids = []
+    for t in tok.encode(MULTILINGUAL[2]) + [nothing] * 200 + tok.encode(" and then 東京"):
+        ids.append(t)
+    d = detokenizer.IncrementalDetokenizer(Counting())
+    for n, t in enumerate(ids, 1):
+        d.add(t)
+        assert tok.decode(ids[:n]).startswith(d.text)
+    assert d.final_text() == tok.decode(ids)
+    assert max(widths) <= 2 * d.window, max(widths)
+
+
+@pytest.mark.parametrize("step", BATCHED)
 def test_stop_strings_cut_where_the_previous_step_cuts(step):
     prev = previous(step)
     free = load_engine(prev).LLM("random:tiny-llama", device="cpu").generate(

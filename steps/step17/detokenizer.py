@@ -23,11 +23,14 @@ class IncrementalDetokenizer:
         self.context = ""  # the decode of token_ids[prefix_offset:read_offset], kept from the decode before
 
     def add(self, token_id: int) -> str:
-        """Append one token; return the new text it completes ("" while a character is incomplete)."""
+        """Append one token; return the new text it completes ("" while a character is incomplete, or for a token
+        that decodes to nothing)."""
         self.token_ids.append(token_id)
         window = self.tokenizer.decode(self.token_ids[self.prefix_offset:])  # this token's one decode
-        if len(window) <= len(self.context) or window.endswith("\ufffd"):
-            return ""  # nothing new yet, or a multi-byte character still incomplete
+        if window.endswith("\ufffd") or (len(window) <= len(self.context) and window != self.context):
+            return ""  # a multi-byte character still incomplete, or the text changed shape: wait for more
+        # new text, or none at all (a token that decodes to nothing: a piece of its own, so the window moves on
+        # past it instead of growing with every such token)
         new = window[len(self.context):]
         self.text += new
         self.last_piece, self.read_offset = self.read_offset, len(self.token_ids)
