@@ -1,5 +1,7 @@
 """docs/data/raw/h200_host_path/*.jsonl (docs/data/bench_host_path.py's lines, HF's BENCH_JSON line) -> one summary,
-docs/data/raw/h200_host_path/summary.json: per call, the medians by (workload, step), batch 1, the phases, and HF's run.
+docs/data/raw/h200_host_path/summary.json: per call, the medians by (workload, step), batch 1 by step and
+temperature, the phases and the GPU's busy share by step, and HF's run. "latest" is the newest call (the figures
+the chapters quote); the earlier calls ran earlier trees, named in "trees".
 
     python docs/data/collect_host_path.py
 """
@@ -11,37 +13,48 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RAW = HERE / "raw" / "h200_host_path"
+# what each call ran, for the calls whose lines do not name their tree
+TREES = {"host_path_a": "the steps of commit f0995c4 (the keyed torch sampler, one float64 running sum per row)",
+         "host_path_b": "the steps of commit f0995c4 (the keyed torch sampler, one float64 running sum per row); step24-before: "
+                        "commit 1f7a7d6, a torch.multinomial per row"}
 
 
 def main() -> None:
     calls = {}
     for path in sorted(RAW.glob("host_path_*.jsonl")):
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        call = calls[path.stem] = {"command": records[0]["command"], "device": records[0]["gpu"],
-                                   "model": records[0]["model"], "medians": {}, "batch1": {}, "phases": None}
+        first = records[0]
+        call = calls[path.stem] = {"command": first["command"], "device": first["gpu"], "model": first["model"],
+                                   "tree": first.get("tree") or TREES.get(path.stem), "medians": {}, "batch1": {},
+                                   "phases": {}, "gpu_busy": {}}
         for r in records:
+            step = r.get("step")
             if r["kind"] == "median":
-                call["medians"].setdefault(r["workload"], {})[r["step"]] = {"tokens_per_s": r["tokens_per_s"],
-                                                                            "runs": r["all"]}
+                call["medians"].setdefault(r["workload"], {})[step] = {"tokens_per_s": r["tokens_per_s"],
+                                                                       "runs": r["all"]}
             elif r["kind"] == "batch1":
-                call["batch1"][f"temperature {r['temperature']}"] = {"tokens_per_s": r["tokens_per_s"],
-                                                                     "runs": r["all"], "new_tokens": r["new_tokens"]}
+                call["batch1"].setdefault(step, {})["greedy" if r["temperature"] == 0 else "sampled"] = {
+                    "temperature": r["temperature"],
+                    "tokens_per_s": r["tokens_per_s"], "runs": r["all"], "new_tokens": r["new_tokens"]}
             elif r["kind"] == "phases":
-                call["phases"] = {"engine_steps": r["engine_steps"], "ms_per_step": r["ms_per_step"]}
+                call["phases"][step] = {"engine_steps": r["engine_steps"], "ms_per_step": r["ms_per_step"]}
+            elif r["kind"] == "gpu_busy":
+                call["gpu_busy"][step] = {k: r[k] for k in ("engine_steps", "running_rows", "ms_per_step",
+                                                            "gpu_busy_ms_per_step", "gpu_busy_share",
+                                                            "kernels_per_step")}
     # hf_cb.txt holds the BENCH_JSON line's first 700 characters (the call cut it): its fields are read by name
     line = next(line for line in (RAW / "hf_cb.txt").read_text().splitlines() if line.startswith("BENCH_JSON"))
-    hf = {"tokens_per_s": float(re.search(r'"tokens_per_s": ([0-9.]+)', line).group(1)),
-          "backend": re.search(r'"backend": "([^"]*)"', line).group(1)}
     calls["host_path_b"]["hf_cb"] = {"command": "python -m shared.bench --hf cb --model random:qwen3-0.6b "
                                                 "--device cuda --workload nano-vllm --repeat 1",
-                                     "tokens_per_s": hf["tokens_per_s"], "backend": hf["backend"]}
+                                     "tokens_per_s": float(re.search(r'"tokens_per_s": ([0-9.]+)', line).group(1)),
+                                     "backend": re.search(r'"backend": "([^"]*)"', line).group(1)}
     env = (RAW / "env.txt").read_text().split()
+    latest = max(calls)
     summary = {"about": "nano-vllm's workload as its bench.py runs it (temperature 0.6, ignore_eos, 133,966 new "
-                        "tokens; nano-vllm-greedy: the same draws, greedy), engines as its bench builds them; "
-                        "host_path_a: step20, step21, step24 alternated, median of 3; host_path_b: step24 and "
-                        "step24 before the keyed sampler (commit 1f7a7d6) in one call, one run each, with HF "
-                        "transformers' continuous batching on the same workload in that call",
-               "env": " ".join(env), "calls": calls}
+                        "tokens; nano-vllm-greedy: the same draws, greedy), engines as its bench builds them, runs "
+                        "alternated, median of the repeats; HF transformers' continuous batching on the same "
+                        "workload ran in call host_path_b",
+               "env": " ".join(env), "latest": latest, "calls": calls}
     (RAW / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v["medians"] for k, v in calls.items()}, indent=1))
 

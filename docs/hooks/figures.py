@@ -23,7 +23,8 @@ Markers a page may use (each is replaced when the site is built):
     <!-- suite-table: projection -->                               the suite's time at more steps (a table)
     <!-- bench-calibration: h200 mixed -->                         a run's steps measured alone and in lanes
     <!-- data: h200 kernels.decode[batch=64,context=2048].v2_gpu_frac_copy .0% -->   any value of a docs/data JSON
-                                                                   file (cpu, h200, figures, test_suite), by a dotted
+                                                                   file (cpu, h200, figures, test_suite; host_path:
+                                                                   raw/h200_host_path/summary.json), by a dotted
                                                                    path; [k=v,...] picks the list item that matches,
                                                                    [3] by index; then a format spec (.1f, ,.0f, .0%)
     <!-- calc: {h200:kernels.copy.gb_per_s} / 8 as .1f -->          arithmetic (+ - * / ** parentheses) on such values
@@ -63,6 +64,7 @@ WORKLOADS = ("standard", "single", "mixed", "shared-prefix", "nano-vllm")
 _bench: dict = {}
 _fig: dict = {}
 _suite: dict = {}
+_host_path: dict = {}  # docs/data/raw/h200_host_path/summary.json (collect_host_path.py): the `host_path` data file
 NOT_DEVICES = ("figures.json", "test_suite.json")
 QUOTES: list[dict] = []  # every figure quoted from a benchmark run, with the page and whether it names its run
 _page: dict = {"uri": "", "markdown": ""}  # the page being rendered (for the ledger and the paragraph check)
@@ -79,6 +81,9 @@ def _load() -> None:
     _suite.clear()
     if (DATA / "test_suite.json").is_file():
         _suite.update(json.loads((DATA / "test_suite.json").read_text()))
+    _host_path.clear()
+    if (DATA / "raw" / "h200_host_path" / "summary.json").is_file():
+        _host_path.update(json.loads((DATA / "raw" / "h200_host_path" / "summary.json").read_text()))
 
 
 def _result(device: str, workload: str, step: str) -> dict | None:
@@ -402,7 +407,7 @@ def suite_table(name: str) -> str:
 
 
 def _files() -> dict:
-    return {**_bench, "figures": _fig, "test_suite": _suite}
+    return {**_bench, "figures": _fig, "test_suite": _suite, "host_path": _host_path}
 
 
 def data_path(file: str, path: str):
