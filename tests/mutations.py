@@ -229,8 +229,8 @@ MUTATIONS = [
     Mutation(
         "step21-padding-writes-block-0", "step21's padding rows write their K/V to block 0, not the scratch block",
         "steps/step21/cuda_graphs.py",
-        "                                                  slots + [scratch_block * block_size] * pad])",
-        "                                                  slots + [0] * pad])",
+        "        self.host_longs[2, num:size] = scratch_block * block_size\n",
+        "        self.host_longs[2, num:size] = 0\n",
         ("tests/test_part7_graphs.py::test_padding_rows_write_only_the_scratch_block",)),
     Mutation(
         "step22-down-proj-not-reduced", "step22's row-parallel down_proj returns its rank's partial sum, not all-reduced",
