@@ -52,7 +52,8 @@ class BlockTables:
     """Every running sequence's block table, kept from step to step in one row of a host tensor (vLLM V1's
     persistent block table), so that no step rebuilds the tables from the sequences' lists.
 
-        rows     [max_rows, max_blocks] int32 on the host (pinned on CUDA: a copy from it is queued, no wait)
+        rows     [max_rows, max_blocks] int32 on the host; nothing is copied to the device from it directly
+                 (a step's rows are gathered first, into pinned memory on CUDA), so it needs no pinning
         lengths  [max_rows]: how many blocks each row holds; the entries past them are stale (the row's previous
                  sequence's) and never read: every kernel stops at its row's context length
 
@@ -65,7 +66,7 @@ class BlockTables:
 
     def __init__(self, max_rows: int, max_blocks: int, device: torch.device):
         self.max_rows, self.max_blocks, self.pinned = max_rows, max_blocks, device.type == "cuda"
-        self.rows = torch.zeros(max_rows, max_blocks, dtype=torch.int32, pin_memory=self.pinned)
+        self.rows = torch.zeros(max_rows, max_blocks, dtype=torch.int32)
         self.lengths = [0] * max_rows
         self.row_of: dict[str, int] = {}  # request id -> its row, while the request holds blocks
         self.free_rows = list(range(max_rows - 1, -1, -1))  # pop() takes the lowest row first
