@@ -4,7 +4,8 @@ kernels' block tables and the slot mapping are read from the rows, never rebuilt
 
 - The rows, unit by unit: a first schedule writes the whole table, a step without a new block writes nothing, one
   new block is one entry; a released row is taken by the next sequence; gather() and slots() give what the lists
-  give (model.py's slot_mapping is the oracle); too wide a table and too many sequences are errors.
+  give (model.py's slot_mapping is the oracle); too wide a table, too many sequences and a table that shrank (its
+  release was not told to the rows) are errors.
 - The engine, counted every step: the entries written are exactly the blocks the scheduled sequences' tables grew
   by since their last step (a decode that crosses no block boundary writes 0, one that crosses writes 1), while the
   rows hold every running sequence's table; in a small pool requests are preempted and rows are reused, no row is
@@ -94,11 +95,15 @@ def test_gather_and_slots_equal_what_the_lists_give(step):
 
 
 @pytest.mark.parametrize("step", [s for s, _ in lesson_and_copies("block_table_rows")])
-def test_more_sequences_than_rows_is_an_error(step):
+def test_more_sequences_than_rows_and_a_release_not_told_are_errors(step):
     tables = block_tables(step, max_rows=2)
-    step_rows(tables, [FakeSeq("a", [1]), FakeSeq("b", [2])])
+    a = FakeSeq("a", [1, 4])
+    step_rows(tables, [a, FakeSeq("b", [2])])
     with pytest.raises(RuntimeError, match="no free block-table row: all 2 are held"):
         step_rows(tables, [FakeSeq("c", [3])])
+    a.block_table = [5]  # given back and begun again (a preemption) without the rows being told
+    with pytest.raises(RuntimeError, match="request a: a block table of 1 blocks in a row holding 2"):
+        step_rows(tables, [a])
 
 
 # ---- the engine -------------------------------------------------------------------------------------------

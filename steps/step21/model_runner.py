@@ -83,6 +83,9 @@ class BlockTables:
                     raise RuntimeError(f"no free block-table row: all {self.max_rows} are held")
                 row = self.row_of[seq.request_id] = self.free_rows.pop()
             start = self.lengths[row]
+            if len(seq.block_table) < start:  # its table was given back and begun again: a release not told here
+                raise RuntimeError(f"request {seq.request_id}: a block table of {len(seq.block_table)} blocks in a row "
+                                   f"holding {start} (the rows were not told of its release)")
             out.append((row, start, seq.block_table[start:]))
         return out
 
