@@ -392,7 +392,8 @@ class Workers:
 
     def block_tables(self) -> list[dict[int, list[int]]]:
         """Each worker's block-table rows as it holds them now, {row: its blocks} (BlockTables.held), asked between
-        steps: what a test compares with rank 0's own rows."""
+        steps: what a test compares with rank 0's own rows. A worker hears of no release: a row rank 0 has freed
+        keeps its last table there until rank 0 hands the row out again, whole from its first entry."""
         self.check_alive()
         for conn in self.conns:
             conn.send(("tables", None))
