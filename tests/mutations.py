@@ -190,6 +190,21 @@ MUTATIONS = [
         "for r in sorted(self.running, key=lambda r: -behind(r)):",
         ("tests/test_part6_mixed.py::test_a_long_prompt_never_holds_back_a_decode",)),
     Mutation(
+        "step18-rows-miss-new-blocks", "step18's block-table rows take a sequence's table once, never the blocks it appends",
+        "steps/step18/model_runner.py",
+        "            if new:\n                rows += [row] * len(new)",
+        "            if new and start == 0:\n                rows += [row] * len(new)",
+        ("tests/test_part6_block_tables.py::test_rows_take_only_the_new_blocks_and_are_reused[step18]",
+         "tests/test_part6_block_tables.py::test_a_step_writes_only_the_new_blocks_and_the_tokens_are_unchanged"
+         "[step18-torch]")),
+    Mutation(
+        "step18-rows-rewritten-whole", "step18 rewrites every scheduled sequence's whole block-table row every step",
+        "steps/step18/model_runner.py",
+        "            start = self.lengths[row]\n",
+        "            start = 0\n",
+        ("tests/test_part6_block_tables.py::test_a_step_writes_only_the_new_blocks_and_the_tokens_are_unchanged"
+         "[step18-torch]",)),
+    Mutation(
         "step19-norm-before-add", "step19's add + RMSNorm kernel normalises x without the residual",
         "steps/step19/kernels/fused.py",
         "s = (s.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)  # the add, rounded as torch's",
@@ -229,8 +244,8 @@ MUTATIONS = [
     Mutation(
         "step21-padding-writes-block-0", "step21's padding rows write their K/V to block 0, not the scratch block",
         "steps/step21/cuda_graphs.py",
-        "                                                  slots + [scratch_block * block_size] * pad])",
-        "                                                  slots + [0] * pad])",
+        "        self.host_longs[2, num:size] = scratch_block * block_size\n",
+        "        self.host_longs[2, num:size] = 0\n",
         ("tests/test_part7_graphs.py::test_padding_rows_write_only_the_scratch_block",)),
     Mutation(
         "step22-down-proj-not-reduced", "step22's row-parallel down_proj returns its rank's partial sum, not all-reduced",
@@ -238,6 +253,13 @@ MUTATIONS = [
         "        return self.tp.all_reduce(down)  # row-parallel, like o_proj: one all-reduce",
         "        return down  # row-parallel, like o_proj: one all-reduce",
         ("tests/test_part7_tp.py::test_tp2_equals_tp1_with_preemption_and_prefix_caching[random:tiny-llama]",)),
+    Mutation(
+        "step22-worker-rows-miss-new-blocks", "step22's workers write a sequence's table into their rows once, never "
+        "the blocks it appends",
+        "steps/step22/parallel.py",
+        "        changes.append((row, held, values[block_at:block_at + num_new]))",
+        "        changes.append((row, held, values[block_at:block_at + num_new] if held == 0 else []))",
+        ("tests/test_part7_tp.py::test_workers_keep_rank_0s_rows_and_the_broadcast_carries_only_new_blocks",)),
     Mutation(
         "step23-no-stop-holdback", "step23's partial outputs send all their text, a stop string's first half included",
         "steps/step23/sequence.py",

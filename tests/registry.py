@@ -34,6 +34,7 @@ The features (the step that brings each one in is where its lesson is tested in 
     triton_decode       kernels/decode.py: paged decode kernels v1 and v2 (Triton)
     flash_decoding      kernels/decode.py: split-K decode (split + merge kernels), choose_num_splits
     mixed_batch_kernel  kernels/attention.py: one attention launch per layer for decodes and chunks, no phases
+    block_table_rows    model_runner.BlockTables: persistent block-table rows, a step writes only the new blocks
     fused_kernels       kernels/fused.py: residual add + RMSNorm, SiLU * up, q/k norm + RoPE (Triton)
     int8_kv             kv_cache_dtype="int8": K/V stored as int8 with a scale per token and KV head
     cuda_graphs         cuda_graphs.py: the decode forward captured per batch bucket and replayed; enforce_eager
@@ -100,7 +101,7 @@ step("step14_7", 5, adds=("flat_varlen_batch",))
 step("step15", 6, adds=("triton_prefill",))
 step("step16", 6, adds=("triton_decode",))
 step("step17", 6, adds=("flash_decoding",))
-step("step18", 6, adds=("mixed_batch_kernel",), removes=("triton_prefill",))
+step("step18", 6, adds=("mixed_batch_kernel", "block_table_rows"), removes=("triton_prefill",))
 step("step19", 6, adds=("fused_kernels",))
 step("step20", 6, adds=("int8_kv",))
 step("step21", 7, adds=("cuda_graphs", "fused_sampler"))

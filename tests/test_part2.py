@@ -125,6 +125,8 @@ def test_random_arrivals_and_limits(step, data):
         if hasattr(llm, "block_manager"):  # a block manager over the first blocks of the same pool
             bm = llm.block_manager
             llm.block_manager = scheduler.block_manager = type(bm)(kv_tokens // bm.block_size, bm.block_size)
+            if hasattr(bm, "on_release"):  # step18 on: a release frees the request's block-table row, as wired
+                llm.block_manager.on_release = bm.on_release  # by the engine
         else:
             scheduler.max_kv_tokens = kv_tokens
     watch_limits(llm)

@@ -26,12 +26,19 @@ def graphs_module():
 
 
 class FakeSeq:
-    """What the static buffers read of a decoding sequence: its tokens, how many have K/V, its block table."""
+    """What the static buffers read of a decoding sequence: its tokens, how many have K/V, its block table (through
+    its row of the runner's BlockTables, keyed by request_id)."""
 
-    def __init__(self, num_tokens, block_table, first_token=100):
+    def __init__(self, num_tokens, block_table, first_token=100, request_id="0"):
         self.token_ids = list(range(first_token, first_token + num_tokens))
         self.num_computed_tokens = num_tokens - 1  # the newest token has no K/V yet: a decode
         self.block_table = list(block_table)
+        self.request_id = request_id
+
+
+def rows_of(tables, seqs):
+    """The sequences' tables written into their rows of a BlockTables (as the runner does before a fill)."""
+    return tables.write(tables.changes([(seq, 1) for seq in seqs]))
 
 
 def test_graph_batch_sizes_and_buckets():
@@ -54,11 +61,17 @@ def test_graph_batch_sizes_and_buckets():
 
 def test_fill_writes_the_rows_and_pads_to_the_scratch_block():
     """Three decodes in a bucket of 4: rows 0-2 are theirs, row 3 is padding (token 0 at position 0, its K/V to the
-    scratch block's first slot, a context of that one slot). A second, narrower fill rewrites what it uses."""
+    scratch block's first slot, a context of that one slot). The block tables and slots come from the sequences'
+    persistent rows, which need not be rows 0-2. A second, narrower fill rewrites what it uses."""
     g = graphs_module()
+    tables = step_module(GRAPHS, "model_runner").BlockTables(8, 8, torch.device("cpu"))
     inputs = g.StaticDecodeInputs(max_seqs=8, max_blocks=6, device=torch.device("cpu"))
-    seqs = [FakeSeq(5, [7, 2]), FakeSeq(9, [1, 4, 3]), FakeSeq(1, [5])]  # block_size 4: slots of positions 4, 8, 0
-    inputs.fill(seqs, 4, block_size=4, scratch_block=9)
+    tables.write(tables.changes([(FakeSeq(1, [8], request_id="x"), 1)]))  # holds row 0: the others get 1, 2, 3
+    seqs = [FakeSeq(5, [7, 2], request_id="a"), FakeSeq(9, [1, 4, 3], request_id="b"),
+            FakeSeq(1, [5], request_id="c")]  # block_size 4: slots of positions 4, 8, 0
+    rows = rows_of(tables, seqs)
+    assert rows == [1, 2, 3]
+    inputs.fill(seqs, tables, rows, 4, block_size=4, scratch_block=9)
     assert inputs.input_ids[:4].tolist() == [104, 108, 100, 0]
     assert inputs.positions[:4].tolist() == [4, 8, 0, 0]
     assert inputs.slot_mapping[:4].tolist() == [2 * 4 + 0, 3 * 4 + 0, 5 * 4 + 0, 9 * 4]
@@ -66,13 +79,15 @@ def test_fill_writes_the_rows_and_pads_to_the_scratch_block():
     assert inputs.block_tables[0, :2].tolist() == [7, 2] and inputs.block_tables[1, :3].tolist() == [1, 4, 3]
     assert inputs.block_tables[2, 0] == 5 and inputs.block_tables[3, 0] == 9
     assert inputs.copies == 2  # two host-to-device copies per fill, whatever the batch
-    inputs.fill([FakeSeq(2, [6])], 2, block_size=4, scratch_block=9)
+    late = FakeSeq(2, [6], request_id="d")
+    inputs.fill([late], tables, rows_of(tables, [late]), 2, block_size=4, scratch_block=9)
     assert inputs.input_ids[:2].tolist() == [101, 0] and inputs.slot_mapping[:2].tolist() == [6 * 4 + 1, 36]
     assert inputs.block_tables[:2, 0].tolist() == [6, 9] and inputs.seq_lens[:2].tolist() == [2, 1]
     with pytest.raises(ValueError, match="fill: 3 sequences in a batch of 2"):
-        inputs.fill(seqs, 2, block_size=4, scratch_block=9)
+        inputs.fill(seqs, tables, rows, 2, block_size=4, scratch_block=9)
+    wide = FakeSeq(30, range(8), request_id="e")
     with pytest.raises(ValueError, match="wider than the graphs' 6"):
-        inputs.fill([FakeSeq(30, range(8))], 1, block_size=4, scratch_block=9)
+        inputs.fill([wide], tables, rows_of(tables, [wide]), 1, block_size=4, scratch_block=9)
 
 
 def mixed_requests(seed=21, n=6):

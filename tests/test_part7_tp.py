@@ -6,6 +6,9 @@ torch.distributed, gloo on the CPU: every test here runs in CI.
   TP_LOGPROB_ATOL_FP32 (helpers.py says why), while preemption and prefix caching happen (their counters).
 - The collectives happened: two all-reduces per layer and one for the embedding in every forward, of the bytes
   they should have.
+- The block tables: each worker keeps its own persistent rows, equal to rank 0's after every step, while every
+  step's broadcast carries only the blocks that are new since the sequence's last step (none in a decode step that
+  crosses no block boundary), never a whole table but the first time.
 - Sizes that do not split the heads are refused before any process starts; a killed worker is an error, not a
   hang; no worker is left after shutdown(), after the engine is collected, or after its process ends.
 On the GPU (marked gpu): tp=1 equals step21, and tp=2 on one GPU is refused by name.
@@ -152,6 +155,54 @@ def test_the_bytes_all_reduced_are_a_hidden_state_per_token_per_all_reduce():
     assert n["bytes_all_reduced"] == tokens * (2 * n["layers"] + 1) * n["hidden"] * 4
     sampled_rows = 3 * 9  # one row of logits per token sampled; rank 0 gets the other rank's 49152 / 2 columns
     assert n["bytes_gathered"] == sampled_rows * (49152 // 2) * 4
+
+
+def test_workers_keep_rank_0s_rows_and_the_broadcast_carries_only_new_blocks(monkeypatch):
+    """tp=2 in a pool of 128 KV tokens (preemption, rows reused): after every step each worker's rows (asked over its
+    pipe) hold what rank 0's hold for every sequence that has one; the blocks a step's broadcast carries are exactly
+    the entries rank 0 wrote into its own rows; the tokens are tp=1's."""
+    p = parallel()
+    sent = []  # per step: (sequences, new tokens, blocks carried, blocks in their whole tables, numbers broadcast)
+    pack = p.pack_work
+
+    def counted(work, changes):
+        packed = pack(work, changes)
+        sent.append((len(work), sum(n for _, n in work), sum(len(new) for _, _, new in changes),
+                     sum(len(seq.block_table) for seq, _ in work), packed.numel()))
+        return packed
+
+    monkeypatch.setattr(p, "pack_work", counted)  # rank 0's Workers.start_step packs with it
+    prompts = shared_prefix_prompts(49152, num=5)
+    params = [SamplingParams(temperature=0, max_tokens=18 + 3 * i, ignore_eos=True, logprobs=1) for i in range(5)]
+    options = dict(device="cpu", dtype="float32", max_kv_tokens=128, max_num_seqs=4, max_num_batched_tokens=64)
+    LLM = load_engine(TP).LLM
+    ref = LLM("random:tiny-llama", **options).generate(prompts, params)
+    llm = LLM("random:tiny-llama", tensor_parallel_size=2, **options)
+    try:
+        tables = llm.runner.block_tables
+        for prompt, sp in zip(prompts, params):
+            llm.add_request(prompt, sp)
+        outs, quiet_decode_steps, compared = [], 0, 0
+        while llm.has_unfinished_requests():
+            before = tables.written
+            outs += llm.step()
+            num, new_tokens, carried, whole, numel = sent[-1]
+            assert carried == tables.written - before  # what rank 0 wrote into its rows, and nothing more
+            assert numel == 1 + 6 * num + new_tokens + carried
+            quiet_decode_steps += new_tokens == num and carried == 0
+            (worker,) = llm.workers.block_tables()
+            mine = tables.held()
+            for row in tables.row_of.values():
+                assert worker[row] == mine[row], f"row {row}: worker 1 holds {worker[row]}, rank 0 {mine[row]}"
+                compared += 1
+        assert llm.scheduler.num_preemptions > 0 and quiet_decode_steps > 0 and compared > 0
+        print(f"blocks broadcast: {sum(s[2] for s in sent)}, whole tables every step: {sum(s[3] for s in sent)}; "
+              f"{quiet_decode_steps} decode steps with none; preemptions {llm.scheduler.num_preemptions}")
+        assert sum(s[2] for s in sent) < sum(s[3] for s in sent) / 4  # far fewer than whole tables every step
+    finally:
+        llm.shutdown()
+    for i, (a, b) in enumerate(zip(sorted(outs, key=lambda o: int(o.request_id)), ref)):
+        compare_completions(a.outputs[0], b.outputs[0], TP_LOGPROB_ATOL_FP32, label=f"tp=2 prompt {i}")
 
 
 @pytest.mark.slow

@@ -16,6 +16,9 @@ cached are always taken before any cached block is evicted.
 
 Each block's hash is computed once, when the block fills, and kept on the sequence (sequence.block_hashes):
 admission looks a waiting prompt up with the hashes it already has, however often it is asked.
+
+step18: on_release, when given, is told of every request whose table release() gives back (finished, preempted or
+aborted): the model runner frees the request's block-table row (model_runner.py's BlockTables).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, on_release=None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -51,6 +54,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # the prefix cache: block hash -> id of the block holding it
         self.stats = {"lookups": 0, "hits": 0, "tokens_saved": 0}  # lookups and hits count blocks
         self.num_hashed = 0  # block hashes computed (each block of a request once)
+        self.on_release = on_release  # called with each request release() empties (None: nobody listens)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil(num_tokens / block_size)
@@ -153,6 +157,8 @@ class BlockManager:
                 (self.evictable if block.hash is not None else self.empty)[block_id] = None
         request.block_table = []
         request.num_cached_blocks = 0  # its hashes stay: they depend on its tokens only
+        if self.on_release is not None:
+            self.on_release(request)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (their content stays, but no request can hit it) and zero the stats."""

@@ -96,7 +96,8 @@ class LLM:
             self.model.ops = TritonLayerOps()
         self.stats = {"prefill_chunks": 0, "decode_steps": 0, "decode_rows": 0, "forwards": 0}  # rows: summed
         self.timers = PhaseTimers(self.device)  # where each step's time goes (timers.py)
-        self.runner = ModelRunner(self.model, self.device, self.dtype, self.timers, self.stats, kv_cache_dtype)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, self.timers, self.stats, kv_cache_dtype,
+                                  max_num_seqs=max_num_seqs)
         self.max_model_len = self.model.config.max_position_embeddings
         self.memory = self.runner.allocate_kv_cache(max_kv_tokens, block_size,
                                                     min(max_num_batched_tokens, self.max_model_len),
@@ -110,7 +111,9 @@ class LLM:
                         f"attention: {self.model.attention_backend.name}, elementwise: "
                         f"{'fused kernels' if self.model.ops.name == 'triton' else 'torch operators'}")
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        # a request's released blocks free its block-table row in the runner
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
+                                          on_release=self.runner.block_tables.release)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.block_manager)
         self.next_request_id = 0
         self.finished_outputs: list[RequestOutput] = []  # finished, not handed out yet (see generate)

@@ -7,8 +7,9 @@
 
 Each object does two things, and is the only code that knows how its attention runs:
 
-    metadata(work, slots, block_size)   once per step, called by the model runner: the scheduled work
-                                        [(sequence, new tokens)] -> one AttentionMetadata, for every layer
+    metadata(work, slots, block_size,   once per step, called by the model runner: the scheduled work
+             tables, rows)              [(sequence, new tokens)] -> one AttentionMetadata, for every layer
+                                        (tables: the runner's BlockTables; rows: the work's rows in it)
     forward(q, k_cache, v_cache, attn,  once per layer, called by the model once it has written the new tokens'
             k_scale, v_scale)           K/V into the cache: q [N, heads, head_dim] -> [N, heads * head_dim]
 
@@ -20,8 +21,6 @@ step21: TritonAttention.graph_metadata builds a decode step's metadata from stat
 the step can be captured in a CUDA graph and replayed.
 """
 from __future__ import annotations
-
-from itertools import chain
 
 import torch
 
@@ -43,16 +42,6 @@ def num_decodes(work) -> int:
     return sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
 
 
-def padded_block_tables(tables: list[list[int]]) -> torch.Tensor:
-    """Block tables of different lengths -> int32 [S, widest] on the CPU, each row padded with 0 (entries past a
-    sequence's context, never read): one tensor of all the ids, written into the rows by one boolean mask."""
-    lengths = torch.tensor([len(t) for t in tables])  # [S]
-    padded = torch.zeros(len(tables), int(lengths.max()), dtype=torch.int32)
-    padded[torch.arange(padded.shape[1]) < lengths[:, None]] = torch.tensor(list(chain.from_iterable(tables)),
-                                                                              dtype=torch.int32)
-    return padded
-
-
 class TorchAttention:
     """step14_7's loop, in plain PyTorch: every sequence attends on its own, to the K/V gathered from its
     context's slots, with its causal mask (none for a decode). The kernels' reference math."""
@@ -62,8 +51,9 @@ class TorchAttention:
     def __init__(self, config, device: torch.device):
         self.config, self.device = config, device
 
-    def metadata(self, work, slots: torch.Tensor, block_size: int) -> AttentionMetadata:
-        """Every sequence loops: its context slots and causal mask, computed once here for every layer."""
+    def metadata(self, work, slots: torch.Tensor, block_size: int, tables=None, rows=None) -> AttentionMetadata:
+        """Every sequence loops: its context slots and causal mask, computed once here for every layer (from its
+        block table: the loop reads each context whole anyway, so it needs no rows)."""
         return self.loop_metadata(work, slots, block_size, looped=len(work))
 
     def loop_metadata(self, work, slots: torch.Tensor, block_size: int, looped: int) -> AttentionMetadata:
@@ -108,14 +98,15 @@ class TritonAttention(TorchAttention):
         self.split_rule = {"num_sms": sms, "min_tokens_per_split": 256}
         self.launches = 0
 
-    def metadata(self, work, slots: torch.Tensor, block_size: int) -> AttentionMetadata:
+    def metadata(self, work, slots: torch.Tensor, block_size: int, tables, rows: list[int]) -> AttentionMetadata:
         """Nothing loops, so no sequence needs the loop's context slots or masks. Every row gets its block table
-        and lengths, and the tiles the kernel cuts its new tokens into, once for every layer."""
+        (from the runner's persistent rows) and lengths, and the tiles the kernel cuts its new tokens into, once for
+        every layer."""
         from .kernels.attention import tile_config, tile_map  # imported with the kernels, only when they run
         from .kernels.decode import choose_num_splits
 
         attn = self.loop_metadata(work, slots, block_size, looped=0)
-        tables, cu, lens = self.kernel_tensors(work)
+        tables, cu, lens = self.kernel_tensors(work, tables, rows)
         if num_decodes(work) == len(work):  # decodes only: split long contexts if that fills the GPU better
             longest = max(seq.num_tokens for seq, _ in work)
             splits = choose_num_splits(len(work), self.config.num_kv_heads, longest, **self.split_rule)
@@ -130,10 +121,11 @@ class TritonAttention(TorchAttention):
                                    to_device(tile_first, self.device), block_m)
         return attn
 
-    def kernel_tensors(self, work):
-        """(sequence, new tokens) pairs -> the int32 device tensors the kernels read: block tables padded to the
-        widest [S, max_blocks], cumulative query lengths [S + 1], context lengths after this step [S]."""
-        tables = padded_block_tables([seq.block_table for seq, _ in work])  # [S, widest]
+    def kernel_tensors(self, work, tables, rows: list[int]):
+        """(sequence, new tokens) pairs -> the int32 device tensors the kernels read: their block tables, the rows
+        `rows` of the runner's BlockTables cut to the widest [S, widest] (one index_select, one copy), cumulative
+        query lengths [S + 1], context lengths after this step [S]."""
+        tables = tables.gather(rows)  # [S, widest]; past a row's length: stale entries, never read
         lens = [seq.num_computed_tokens + n for seq, n in work]
         as_tensor = lambda x: to_device(torch.tensor(x, dtype=torch.int32), self.device)  # noqa: E731
         return to_device(tables, self.device), as_tensor(cumulative(n for _, n in work)), as_tensor(lens)

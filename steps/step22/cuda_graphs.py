@@ -22,11 +22,13 @@ A replay runs exactly what was recorded, so:
 
 On a CPU there are no CUDA graphs: DecodeGraphs runs the same fill-and-forward code eagerly (run() without
 capture()), which is how its static buffers and padding are tested there.
+
+The block tables come from the model runner's persistent rows (model_runner.py's BlockTables): fill() gathers the
+step's rows into the staging with one index_select, and reads the slot mapping from them, never from the lists.
 """
 from __future__ import annotations
 
 import bisect
-from itertools import chain
 
 import torch
 
@@ -83,27 +85,25 @@ class StaticDecodeInputs:
         self.tile_first = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.copies = 0  # host-to-device copies queued (two per fill)
 
-    def fill(self, seqs: list, size: int, block_size: int, scratch_block: int) -> None:
-        """The decodes of `seqs` (each: its newest token, the one without K/V yet) into rows 0 .. len(seqs) - 1,
-        padding rows up to `size`: token 0 at position 0, its K/V written to the scratch block's first slot, a
-        context of that one token (the block table row: the scratch block). Then the two copies, queued."""
+    def fill(self, seqs: list, tables, rows: list[int], size: int, block_size: int, scratch_block: int) -> None:
+        """The decodes of `seqs` (each: its newest token, the one without K/V yet; rows: their rows in the runner's
+        BlockTables `tables`) into rows 0 .. len(seqs) - 1, padding rows up to `size`: token 0 at position 0, its
+        K/V written to the scratch block's first slot, a context of that one token (the block table row: the
+        scratch block). The tables are the persistent rows, gathered; then the two copies, queued."""
         num, pad = len(seqs), size - len(seqs)
         if not 0 < num <= size <= self.max_seqs:
             raise ValueError(f"fill: {num} sequences in a batch of {size} (at most {self.max_seqs})")
         positions = [seq.num_computed_tokens for seq in seqs]
         ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
-        slots = [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(seqs, positions)]
-        self.host_longs[:, :size] = torch.tensor([ids + [0] * pad, positions + [0] * pad,
-                                                  slots + [scratch_block * block_size] * pad])
+        self.host_longs[:2, :size] = torch.tensor([ids + [0] * pad, positions + [0] * pad])
+        self.host_longs[2, :num] = tables.slots(rows, self.host_longs[1, :num], [1] * num, block_size)
+        self.host_longs[2, num:size] = scratch_block * block_size
         self.host_lens[:size] = torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32)
-        tables = [seq.block_table for seq in seqs] + [[scratch_block]] * pad
-        lengths = torch.tensor([len(t) for t in tables])
-        width = int(lengths.max())
-        if width > self.max_blocks:
-            raise ValueError(f"a block table of {width} blocks is wider than the graphs' {self.max_blocks}")
-        rows = self.host_tables[:size, :width]  # a view: the assignment below writes the staging itself
-        rows[torch.arange(width) < lengths[:, None]] = torch.tensor(list(chain.from_iterable(tables)),
-                                                                    dtype=torch.int32)
+        gathered = tables.gather(rows, pinned=False)  # [num, widest], copied into the staging next
+        if gathered.shape[1] > self.max_blocks:
+            raise ValueError(f"a block table of {gathered.shape[1]} blocks is wider than the graphs' {self.max_blocks}")
+        self.host_tables[:num, :gathered.shape[1]] = gathered
+        self.host_tables[num:size, 0] = scratch_block
         self.longs.copy_(self.host_longs, non_blocking=True)  # 3 x max_seqs int64: one small copy
         used = self.max_seqs + size * self.max_blocks  # the lengths and the first `size` table rows, contiguous
         self.ints[:used].copy_(self.host_ints[:used], non_blocking=True)
@@ -170,10 +170,11 @@ class DecodeGraphs:
         inputs.seq_lens.fill_(1)
         inputs.block_tables[:size, 0] = self.scratch_block
 
-    def prepare(self, seqs: list) -> int:
-        """Pad `seqs` (len(seqs) <= the largest size) to its bucket and fill the static buffers. -> the bucket."""
+    def prepare(self, seqs: list, tables, rows: list[int]) -> int:
+        """Pad `seqs` (len(seqs) <= the largest size; rows: their rows in the BlockTables `tables`) to its bucket and
+        fill the static buffers. -> the bucket."""
         size = padded_size(len(seqs), self.sizes)
-        self.inputs.fill(seqs, size, self.block_size, self.scratch_block)
+        self.inputs.fill(seqs, tables, rows, size, self.block_size, self.scratch_block)
         return size
 
     def launch(self, size: int, num_rows: int) -> torch.Tensor:
@@ -187,6 +188,6 @@ class DecodeGraphs:
         self.eager_runs += 1
         return self.forward(size)[:num_rows]
 
-    def run(self, seqs: list) -> torch.Tensor:
+    def run(self, seqs: list, tables, rows: list[int]) -> torch.Tensor:
         """One decode step for `seqs`: prepare, then launch."""
-        return self.launch(self.prepare(seqs), len(seqs))
+        return self.launch(self.prepare(seqs, tables, rows), len(seqs))

@@ -225,7 +225,9 @@ class LLM:
                         f"{'fused kernels' if self.model.ops.name == 'triton' else 'torch operators'}, {graphs}, "
                         f"{split}")
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        # a request's released blocks free its block-table row in the runner
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
+                                          on_release=self.runner.block_tables.release)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.block_manager)
         self.next_request_id = 0
         self.finished_outputs: list[RequestOutput] = []  # finished, not handed out yet (see generate)

@@ -19,9 +19,11 @@ How a layer is cut (Megatron-LM's split, https://arxiv.org/abs/1909.08053), for 
 Rank 0 is the engine (scheduler, block manager, sampler) in the user's process. Ranks 1..N-1 are worker processes
 (started with the spawn method), each running the same forward as rank 0 when rank 0 tells it to: every step,
 rank 0 rings a doorbell (a pipe per worker: "a step of this many numbers") and broadcasts the step's inputs as
-one int64 tensor (pack_work: each row's start, new tokens, length, block table). A worker rebuilds the rows
-(StepRow) and calls its own model runner's execute, exactly what rank 0 runs; the collectives inside the forward
-meet rank 0's.
+one int64 tensor (pack_work: each row's start, new tokens, length, and its block-table row with the blocks it got
+since its last step). A worker rebuilds the rows (StepRow) and calls its own model runner's execute, exactly what
+rank 0 runs; the collectives inside the forward meet rank 0's. Every worker keeps persistent block-table rows of its
+own (model_runner.py's BlockTables) and writes the new blocks into the rows rank 0 names, so a table crosses the
+pipe whole once, when its sequence takes a row, and then only block by block as it grows.
 
 A worker exits when the engine stops it (shutdown), when its parent process is gone (the pipe from rank 0 closes
 with the process that held its other end, however that process ended), or on an error (after sending the
@@ -232,37 +234,47 @@ class NewTokens:
 
 
 class StepRow:
-    """One scheduled sequence on a worker: what the model runner reads of a Sequence, rebuilt from the broadcast."""
+    """One scheduled sequence on a worker: what the model runner reads of a Sequence, rebuilt from the broadcast.
+    Its block table is the worker's own row (tables: its BlockTables), read only when asked."""
 
-    def __init__(self, start: int, num_tokens: int, block_table: list[int], new_ids: list[int]):
-        self.num_computed_tokens, self.num_tokens, self.block_table = start, num_tokens, block_table
+    def __init__(self, start: int, num_tokens: int, new_ids: list[int], tables, row: int):
+        self.num_computed_tokens, self.num_tokens = start, num_tokens
         self.token_ids = NewTokens(start, new_ids)
+        self.tables, self.row = tables, row
+
+    @property
+    def block_table(self) -> list[int]:
+        """The whole table, from the row (only the torch backend's loop reads it: it reads each context whole)."""
+        return self.tables.rows[self.row, :self.tables.lengths[self.row]].tolist()
 
 
-def pack_work(work) -> torch.Tensor:
-    """The scheduled [(sequence, new tokens)] -> one int64 tensor: S, then per row (start, n, length, table
-    length), then every row's new token ids, then every row's block table."""
-    head, ids, tables = [len(work)], [], []
-    for seq, n in work:
+def pack_work(work, changes) -> torch.Tensor:
+    """The scheduled [(sequence, new tokens)] and their block-table changes (BlockTables.changes: each one's row, how
+    many blocks the row holds, the blocks new since) -> one int64 tensor: S, then per row (start, n, length, table
+    row, blocks held, new blocks), then every row's new token ids, then every row's new blocks."""
+    head, ids, blocks = [len(work)], [], []
+    for (seq, n), (row, held, new) in zip(work, changes):
         start = seq.num_computed_tokens
-        head += [start, n, seq.num_tokens, len(seq.block_table)]
+        head += [start, n, seq.num_tokens, row, held, len(new)]
         ids += seq.token_ids[start:start + n]
-        tables += seq.block_table
-    return torch.tensor(head + ids + tables, dtype=torch.int64)
+        blocks += new
+    return torch.tensor(head + ids + blocks, dtype=torch.int64)
 
 
-def unpack_work(packed: torch.Tensor) -> list[tuple[StepRow, int]]:
-    """pack_work's tensor -> [(StepRow, new tokens)], the work as rank 0 scheduled it."""
+def unpack_work(packed: torch.Tensor, tables) -> tuple[list[tuple[StepRow, int]], list]:
+    """pack_work's tensor -> ([(StepRow, new tokens)], the block-table changes): the work as rank 0 scheduled it,
+    its rows read from `tables` (this worker's BlockTables, once the changes are written there)."""
     values = packed.tolist()
     num = values[0]
-    rows = [values[1 + 4 * i:5 + 4 * i] for i in range(num)]
-    at = 1 + 4 * num
-    work = []
-    id_at, table_at = at, at + sum(n for _, n, _, _ in rows)
-    for start, n, length, table_len in rows:
-        work.append((StepRow(start, length, values[table_at:table_at + table_len], values[id_at:id_at + n]), n))
-        id_at, table_at = id_at + n, table_at + table_len
-    return work
+    heads = [values[1 + 6 * i:7 + 6 * i] for i in range(num)]
+    id_at = 1 + 6 * num
+    block_at = id_at + sum(head[1] for head in heads)
+    work, changes = [], []
+    for start, n, length, row, held, num_new in heads:
+        work.append((StepRow(start, length, values[id_at:id_at + n], tables, row), n))
+        changes.append((row, held, values[block_at:block_at + num_new]))
+        id_at, block_at = id_at + n, block_at + num_new
+    return work, changes
 
 
 # ---- the worker processes -------------------------------------------------------------------------------
@@ -314,7 +326,7 @@ class Workers:
         for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
             self._expect(rank, p, conn, word)
 
-    def _expect(self, rank: int, p, conn, word: str) -> None:
+    def _expect(self, rank: int, p, conn, word: str):
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if conn.poll(0.1):
@@ -323,7 +335,7 @@ class Workers:
                 except EOFError:
                     break
                 if kind == word:
-                    return
+                    return detail
                 self._fail(f"tensor-parallel worker {rank} (pid {p.pid}) failed:\n{detail}")
             if not p.is_alive():
                 break
@@ -365,11 +377,11 @@ class Workers:
         if failure:
             self._fail(failure)
 
-    def start_step(self, tp: TensorParallel, work) -> None:
-        """Ring every doorbell (the size of the step's inputs), then broadcast the inputs: the workers run the same
-        forward as rank 0 from here."""
+    def start_step(self, tp: TensorParallel, work, changes) -> None:
+        """Ring every doorbell (the size of the step's inputs), then broadcast the inputs (the work and its
+        block-table changes): the workers run the same forward as rank 0 from here."""
         self.check_alive()
-        packed = pack_work(work)
+        packed = pack_work(work, changes)
         try:
             for conn in self.conns:
                 conn.send(("step", packed.numel()))
@@ -377,6 +389,16 @@ class Workers:
         except Exception as e:  # a pipe or a socket closed under us: a worker went away mid-step
             # its end may show a moment after its socket closed (a killed process is reaped after the reset)
             self._fail(self.failure(wait_s=1) or f"tensor-parallel step failed: {e}")
+
+    def block_tables(self) -> list[dict[int, list[int]]]:
+        """Each worker's block-table rows as it holds them now, {row: its blocks} (BlockTables.held), asked between
+        steps: what a test compares with rank 0's own rows. A worker hears of no release: a row rank 0 has freed
+        keeps its last table there until rank 0 hands the row out again, whole from its first entry."""
+        self.check_alive()
+        for conn in self.conns:
+            conn.send(("tables", None))
+        return [self._expect(rank, p, conn, "tables")
+                for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1)]
 
     def shutdown(self) -> None:
         """Stop every worker and wait for it (stop words first, then SIGTERM, then SIGKILL); idempotent."""
@@ -418,8 +440,11 @@ def worker_main(rank: int, size: int, init_method: str, device: str, model_dir, 
             if kind == "stop":
                 tp.close()
                 return
-            work = unpack_work(tp.broadcast_inputs(None, numel))
-            runner.execute(work)
+            if kind == "tables":  # rank 0 asks for this worker's block-table rows
+                conn.send(("tables", runner.block_tables.held()))
+                continue
+            work, changes = unpack_work(tp.broadcast_inputs(None, numel), runner.block_tables)
+            runner.execute(work, changes)
     except (EOFError, KeyboardInterrupt):
         return
     except BaseException:

@@ -5,12 +5,19 @@ sequences into the tensors the model reads (input ids, positions, the slot mappi
 that the model's attention backend builds: attention.py), runs the forward, and samples the next tokens. The
 scheduler and the block manager never touch a tensor; the model never sees a sequence.
 
+step18: the block tables live in BlockTables, one persistent row per running sequence (max_num_seqs rows, as wide
+as the widest table can be: max_table_blocks). A step writes into the rows only the blocks appended since the
+sequence's last step, and reads the step's block tables and slot mapping from the rows; the block manager tells
+the rows when a sequence's blocks are released (its row is then free).
+
 step20: the cache may be int8 (kv_cache_dtype="int8"), and its size counts the scales: kv_bytes_per_token.
 
 step22: tensor parallelism (parallel.py). Every rank has a model runner of its own, with its shard of the model and
 its KV heads' cache; rank 0's is the engine's, and before each step it hands the step to the workers
 (parallel.py's Workers.start_step: the inputs broadcast), which run the same execute on them. On CUDA the ranks
-agree on the pool's size (the smallest any rank can hold), so a block id means the same slots on every rank.
+agree on the pool's size (the smallest any rank can hold), so a block id means the same slots on every rank. Rank 0
+decides each sequence's block-table row and its new blocks (BlockTables.changes) and sends them with the step; every
+rank writes them into its own rows, so every rank's rows hold the same tables.
 
 step21: CUDA graphs (cuda_graphs.py). After the cache is allocated the runner captures the decode forward once per
 batch-size bucket (capture_graphs); a step of decodes only is then filled into static buffers and replayed, every
@@ -26,9 +33,9 @@ from types import SimpleNamespace
 import torch
 
 from .cuda_graphs import DecodeGraphs
-from .model import CausalLM, KVCache, slot_mapping, to_device  # noqa: F401  (to_device: imported from here too)
-from .parallel import WorkerError
 from .kernels.sampling import draw_params, fused_draw, triton
+from .model import CausalLM, KVCache, to_device  # noqa: F401  (to_device: imported from here too)
+from .parallel import WorkerError
 from .sampler import sample_batch, wants_filters
 from .sequence import Sequence
 
@@ -50,6 +57,91 @@ def kv_pool_blocks(total_bytes: int, gpu_memory_utilization: float, used_bytes: 
     return max(int(total_bytes * gpu_memory_utilization) - used_bytes, 0) // bytes_per_block
 
 
+class BlockTables:
+    """Every running sequence's block table, kept from step to step in one row of a host tensor (vLLM V1's
+    persistent block table), so that no step rebuilds the tables from the sequences' lists.
+
+        rows     [max_rows, max_blocks] int32 on the host; nothing is copied to the device from it directly
+                 (a step's rows are gathered first, into pinned memory on CUDA), so it needs no pinning
+        lengths  [max_rows]: how many blocks each row holds; the entries past them are stale (the row's previous
+                 sequence's) and never read: every kernel stops at its row's context length
+
+    A sequence takes a free row the first time it is scheduled, and gives it back when its blocks go back to the
+    pool (block_manager.release: finished, preempted or aborted). Each step, changes() lists for every scheduled
+    sequence the blocks it got since its last step (none for a decode whose block has room; one when it crosses
+    a block boundary; the whole table the first time), and write() puts them into the rows in place, one indexed
+    copy for all of them. The step's rows are then read from here: gather() for the kernels' block tables,
+    slots() for the slot mapping. `written` counts the block ids written, so a test can see each written once."""
+
+    def __init__(self, max_rows: int, max_blocks: int, device: torch.device):
+        self.max_rows, self.max_blocks, self.pinned = max_rows, max_blocks, device.type == "cuda"
+        self.rows = torch.zeros(max_rows, max_blocks, dtype=torch.int32)
+        self.lengths = [0] * max_rows
+        self.row_of: dict[str, int] = {}  # request id -> its row, while the request holds blocks
+        self.free_rows = list(range(max_rows - 1, -1, -1))  # pop() takes the lowest row first
+        self.written = 0  # block ids written into rows since the engine started
+
+    def changes(self, work) -> list[tuple[int, int, list[int]]]:
+        """The scheduled [(sequence, new tokens)] -> for each, (its row, how many blocks the row holds already, the
+        blocks its table got since). A sequence seen for the first time takes a free row, and its whole table."""
+        out = []
+        for seq, _ in work:
+            row = self.row_of.get(seq.request_id)
+            if row is None:
+                if not self.free_rows:  # more sequences hold blocks than the scheduler may run: a lost release
+                    raise RuntimeError(f"no free block-table row: all {self.max_rows} are held")
+                row = self.row_of[seq.request_id] = self.free_rows.pop()
+            start = self.lengths[row]
+            if len(seq.block_table) < start:  # its table was given back and begun again: a release not told here
+                raise RuntimeError(f"request {seq.request_id}: a block table of {len(seq.block_table)} blocks in a row "
+                                   f"holding {start} (the rows were not told of its release)")
+            out.append((row, start, seq.block_table[start:]))
+        return out
+
+    def write(self, changes) -> list[int]:
+        """Write every row's new blocks into it, in place (one indexed copy for all of them). -> the rows, in the
+        order of the work."""
+        rows, columns, blocks = [], [], []
+        for row, start, new in changes:
+            if start + len(new) > self.max_blocks:
+                raise ValueError(f"a block table of {start + len(new)} blocks is wider than the rows' "
+                                 f"{self.max_blocks}")
+            if new:
+                rows += [row] * len(new)
+                columns += range(start, start + len(new))
+                blocks += new
+            self.lengths[row] = start + len(new)
+        if blocks:
+            self.rows[torch.tensor(rows), torch.tensor(columns)] = torch.tensor(blocks, dtype=torch.int32)
+            self.written += len(blocks)
+        return [row for row, _, _ in changes]
+
+    def release(self, request) -> None:
+        """request's blocks went back to the pool: its row (if it had one) is free for the next sequence."""
+        row = self.row_of.pop(request.request_id, None)
+        if row is not None:
+            self.lengths[row] = 0
+            self.free_rows.append(row)
+
+    def held(self) -> dict[int, list[int]]:
+        """{row: the blocks it holds} for every row that holds any, as lists (to look at, not for a step's work)."""
+        return {row: self.rows[row, :n].tolist() for row, n in enumerate(self.lengths) if n}
+
+    def gather(self, rows: list[int], pinned: bool | None = None) -> torch.Tensor:
+        """The step's rows, in its order, cut to the widest: int32 [S, widest], on the host; pinned (by default on
+        CUDA) so that to_device queues its copy without a wait. One index_select, whatever the tables hold."""
+        width = max(self.lengths[r] for r in rows)
+        out = torch.empty(len(rows), width, dtype=torch.int32, pin_memory=self.pinned if pinned is None else pinned)
+        return torch.index_select(self.rows[:, :width], 0, torch.tensor(rows), out=out)
+
+    def slots(self, rows: list[int], positions: torch.Tensor, query_lens: list[int], block_size: int) -> torch.Tensor:
+        """The flat cache slot of every new token at `positions` [N] (the rows' sequences one after another, each
+        query_lens[i] tokens): block rows[row, p // block_size], offset p % block_size. -> int64 [N], on the host."""
+        row_of_token = torch.repeat_interleave(torch.tensor(rows), torch.tensor(query_lens))  # [N]
+        blocks = self.rows[row_of_token, positions // block_size].long()  # [N]
+        return blocks * block_size + positions % block_size
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, timers, stats: dict,
                  kv_cache_dtype: str = "auto", use_graphs: bool = False, max_num_seqs: int = 1, workers=None):
@@ -58,7 +150,9 @@ class ModelRunner:
         self.timers = timers  # the engine's phase timers: "prepare inputs", "forward" and "sample" are ours
         self.stats = stats  # the engine's counters: we count model forwards
         self.kv_cache: KVCache | None = None
-        self.use_graphs, self.max_num_seqs = use_graphs, max_num_seqs  # graphs: decided by the engine (CUDA only)
+        self.max_num_seqs = max_num_seqs  # the most sequences a step can hold: one block-table row each
+        self.block_tables: BlockTables | None = None  # set with the cache (its width depends on the pool)
+        self.use_graphs = use_graphs  # graphs: decided by the engine (CUDA only)
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
         self.scratch_block: int | None = None  # the cache block no sequence owns (padding rows write there)
         # the draw as one kernel (kernels/sampling.py) where the kernels run: CUDA, the triton backend's layer ops
@@ -103,11 +197,12 @@ class ModelRunner:
         memory["scratch_blocks"] = 1
         self.kv_cache = self.model.kv_cache = KVCache(self.model.config, memory["num_blocks"] + 1, block_size,
                                                       self.device, self.dtype, self.kv_cache_dtype)
+        self.block_tables = BlockTables(self.max_num_seqs, self.max_table_blocks(block_size), self.device)
         return memory
 
     def max_table_blocks(self, block_size: int) -> int:
-        """The widest block table a sequence can have: its longest length in blocks, at most the whole pool."""
-        return min(-(-self.model.config.max_position_embeddings // block_size), self.scratch_block + 1)
+        """The widest block table a sequence can have: its longest length in blocks, at most the whole cache."""
+        return min(-(-self.model.config.max_position_embeddings // block_size), self.kv_cache.data.shape[2])
 
     def capture_graphs(self, block_size: int) -> dict:
         """Record the decode forward once per bucket (cuda_graphs.py), on the allocated cache. -> what was done."""
@@ -143,46 +238,53 @@ class ModelRunner:
                                       self.kv_cache_dtype)
         # One prompt of num_tokens tokens, as the attention backend reads a sequence: its metadata is built by the
         # backend that will run (the kernels' on the triton path), through the same prepare as every step.
-        prompt = SimpleNamespace(token_ids=[0] * num_tokens, num_computed_tokens=0, num_tokens=num_tokens,
-                                 block_table=list(range(num_blocks)))
+        prompt = SimpleNamespace(request_id="profile", token_ids=[0] * num_tokens, num_computed_tokens=0,
+                                 num_tokens=num_tokens, block_table=list(range(num_blocks)))
+        self.block_tables = BlockTables(1, num_blocks, self.device)  # its one row, for this forward only
         self.model.forward(*self.prepare([(prompt, num_tokens)], block_size))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        self.model.kv_cache = None
+        self.model.kv_cache = self.block_tables = None
         torch.cuda.empty_cache()
         return peak - num_blocks * block_size * kv_bytes_per_token(self.model.config, self.dtype, self.kv_cache_dtype)
 
     # ---- one engine step ----------------------------------------------------------------------------------
-    def prepare(self, work: list[tuple[Sequence, int]], block_size: int | None = None):
+    def prepare(self, work: list[tuple[Sequence, int]], block_size: int | None = None, changes=None):
         """Every scheduled (sequence, number of new tokens) -> one flat batch: input ids and positions [N], and
         the attention metadata (built by the model's attention backend, attention.py). A decode is a sequence
-        with one new token; a prefill chunk has n."""
+        with one new token; a prefill chunk has n. changes: the work's block-table changes (None: found here)."""
         block_size = block_size or self.kv_cache.data.shape[3]
+        tables = self.block_tables
+        rows = tables.write(tables.changes(work) if changes is None else changes)  # each row holds its whole table
         ids, positions = [], []
         for seq, n in work:
             start = seq.num_computed_tokens
             ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
-        slots = slot_mapping([seq.num_computed_tokens for seq, _ in work], [n for _, n in work],
-                             [seq.block_table for seq, _ in work], block_size)  # [N]: where the K/V write goes
-        metadata = self.model.attention_backend.metadata(work, to_device(slots, self.device), block_size)
-        return to_device(torch.tensor(ids), self.device), to_device(torch.tensor(positions), self.device), metadata
+        positions = torch.tensor(positions)  # [N]
+        slots = tables.slots(rows, positions, [n for _, n in work], block_size)  # [N]: where the K/V write goes
+        metadata = self.model.attention_backend.metadata(work, to_device(slots, self.device), block_size, tables, rows)
+        return to_device(torch.tensor(ids), self.device), to_device(positions, self.device), metadata
 
     def graph_can_run(self, work: list[tuple[Sequence, int]]) -> bool:
         """A step of decodes only (each row its sequence's newest token), no larger than the largest graph."""
         return (self.graphs is not None and len(work) <= self.graphs.sizes[-1]
                 and all(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work))
 
-    def execute(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+    def execute(self, work: list[tuple[Sequence, int]], changes=None) -> torch.Tensor:
         """Run the scheduled work in one forward: every (sequence, new tokens) side by side in one flat batch.
         A step of decodes replays its bucket's graph; any other step runs eagerly.
         -> the logits of each sequence's last new token, in the order of the work: [S, vocab].
-        Tensor parallel: rank 0 first sends the work to the workers, which run this same method on it."""
+        Tensor parallel: rank 0 first sends the work to the workers, with its block-table changes (each sequence's
+        row and the blocks it got since its last step), and the workers run this same method on them."""
+        if changes is None:  # rank 0 (or alone) decides the rows; a worker is given them
+            with self.timers.phase("prepare inputs"):
+                changes = self.block_tables.changes(work)
         if self.workers is None:
-            return self._execute(work)
-        self.workers.start_step(self.model.tp, work)
+            return self._execute(work, changes)
+        self.workers.start_step(self.model.tp, work, changes)
         try:
-            return self._execute(work)
+            return self._execute(work, changes)
         except BaseException as e:
             failure = None if isinstance(e, KeyboardInterrupt) else self.workers.failure(wait_s=1)
             if failure:  # a collective failed because a worker died or failed: say which
@@ -193,17 +295,18 @@ class ModelRunner:
                                     "ranks' collectives no longer line up")
             raise
 
-    def _execute(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+    def _execute(self, work: list[tuple[Sequence, int]], changes) -> torch.Tensor:
         if self.graph_can_run(work):
             with self.timers.phase("prepare inputs"):
-                size = self.graphs.prepare([seq for seq, _ in work])
+                rows = self.block_tables.write(changes)  # the new blocks, in place
+                size = self.graphs.prepare([seq for seq, _ in work], self.block_tables, rows)
             with self.timers.phase("forward"):
                 self.stats["forwards"] += 1
                 self.stats["graph_replays" if size in self.graphs.graphs else "eager_forwards"] += 1
                 self.stats["padded_rows"] += size - len(work)
                 return self.graphs.launch(size, len(work))
         with self.timers.phase("prepare inputs"):
-            input_ids, positions, attn = self.prepare(work)
+            input_ids, positions, attn = self.prepare(work, changes=changes)
         with self.timers.phase("forward"):
             self.stats["forwards"] += 1
             self.stats["eager_forwards"] += 1
