@@ -68,9 +68,10 @@ def main() -> None:
                              "as '<step>-before', in the same alternation")
     parser.add_argument("--busy-steps", nargs=2, type=int, default=[60, 80], metavar=("FIRST", "LAST"),
                         help="the engine steps of the sampled workload whose GPU-busy share is measured")
+    parser.add_argument("--tree", default=None, help="what tree ran (a commit), recorded with every line")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    common = dict(device=args.device, command=" ".join(sys.argv), model=args.model,
+    common = dict(device=args.device, command=" ".join(sys.argv), model=args.model, tree=args.tree,
                   gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
     engines = {}
     names = list(args.steps) + ([f"{args.steps[-1]}-before"] if args.before else [])
