@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import load_engine, step_module
+from helpers import load_engine, step_module, stop_longer_than_the_first_text
 from registry import introducing
 from shared import SamplingParams
 
@@ -128,6 +128,21 @@ def test_the_openai_client_gets_the_offline_engines_text(server, offline):
     assert [m.id for m in models.data] == [NAME]
     server.wait_idle()
 
+
+def test_a_chat_streamed_equals_the_chat_not_streamed_when_the_stop_string_is_longer_than_the_text(server, offline):
+    """The stop string begins the reply and is longer than the reply's first pieces: the answer is empty, and the
+    streamed deltas must add up to the same empty text (none sent and then taken back)."""
+    messages = [{"role": "user", "content": "Say something short."}]
+    free = offline.chat([messages], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop = stop_longer_than_the_first_text(offline.tokenizer, free.token_ids)
+    c, options = client(server), dict(model=NAME, messages=messages, max_tokens=12, temperature=0, stop=[stop],
+                                      extra_body={"ignore_eos": True})
+    whole = c.chat.completions.create(**options).choices[0]
+    assert (whole.message.content, whole.finish_reason) == ("", "stop")
+    chunks = list(c.chat.completions.create(**options, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole.message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    server.wait_idle()
 
 def test_sixteen_clients_streaming_at_once_all_get_their_text(server, offline):
     prompts = [f"Client {i} asks about {i * 11}" for i in range(16)]

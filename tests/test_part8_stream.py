@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import load_engine
+from helpers import load_engine, stop_longer_than_the_first_text
 from registry import introducing
 from shared import SamplingParams
 
@@ -259,3 +259,16 @@ def test_bad_requests_and_a_shut_down_engine(engine):
 
     asyncio.run(main())
     assert not engine._thread.is_alive()
+
+
+def test_a_text_shorter_than_the_hold_back_streams_nothing_it_takes_back(engine, offline):
+    """Until the text is longer than the hold-back, a partial output shows no text at all: here the stop string
+    turns out to begin the answer, so the final text is empty and every streamed text must be too."""
+    prompt, free = "a short text", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    stop = stop_longer_than_the_first_text(offline.tokenizer, offline.generate([prompt], free)[0].outputs[0].token_ids)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    want = offline.generate([prompt], params)[0].outputs[0]
+    assert (want.text, want.stop_reason) == ("", stop)
+    texts = [o.outputs[0].text for o in asyncio.run(collect(engine, prompt, params))]
+    assert texts[-1] == want.text
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), f"a streamed text was taken back: {texts}"
