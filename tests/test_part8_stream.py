@@ -272,3 +272,51 @@ def test_a_text_shorter_than_the_hold_back_streams_nothing_it_takes_back(engine,
     texts = [o.outputs[0].text for o in asyncio.run(collect(engine, prompt, params))]
     assert texts[-1] == want.text
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), f"a streamed text was taken back: {texts}"
+
+
+def test_an_error_outside_a_step_kills_the_engine_and_every_stream_hears_of_it(engine):
+    """A failure in the step loop's own code (here: adding a request raises something other than ValueError) stops
+    the loop. The stream that was running, the request that failed, every later request and every later abort get
+    EngineDeadError at once (none waits forever), and the engine says it is dead."""
+    module, add = engine_module(), engine.llm._add
+
+    def failing_add(*args, request_id=None, **kwargs):
+        if request_id == "second":
+            raise RuntimeError("injected failure outside a step")
+        return add(*args, request_id=request_id, **kwargs)
+
+    engine.llm._add = failing_add
+
+    async def read_to_the_end(stream):
+        async for _ in stream:
+            pass
+
+    async def main():
+        first = engine.generate("a long one", SamplingParams(max_tokens=1000, ignore_eos=True), "first")
+        await first.__anext__()  # running
+        assert engine.is_running and not engine.errored
+        with pytest.raises(module.EngineDeadError, match="RuntimeError: injected failure outside a step"):
+            await asyncio.wait_for(collect(engine, "x", SamplingParams(max_tokens=2), "second"), 30)
+        with pytest.raises(module.EngineDeadError, match="injected failure outside a step"):
+            await asyncio.wait_for(read_to_the_end(first), 30)
+        with pytest.raises(module.EngineDeadError):
+            await asyncio.wait_for(collect(engine, "z", SamplingParams(max_tokens=2)), 30)
+        with pytest.raises(module.EngineDeadError):
+            await asyncio.wait_for(engine.abort("first"), 30)
+
+    asyncio.run(main())
+    wait_until(lambda: not engine._thread.is_alive())
+    assert engine.errored and not engine.is_running
+
+
+def test_an_abort_whose_event_loop_closed_before_the_answer_does_not_kill_the_engine(engine, offline):
+    """abort() waits for the step loop's answer in its caller's event loop; a loop closed meanwhile (its caller gone)
+    has nobody to answer, and the step loop goes on serving."""
+    loop = asyncio.new_event_loop()
+    done = loop.create_future()
+    loop.close()
+    engine._send("abort", "nobody", loop, done)  # as abort() sends it, from a loop that then closed
+    params = SamplingParams(temperature=0, max_tokens=4)
+    outs = asyncio.run(collect(engine, "still here", params))
+    assert outs[-1].outputs[0].text == offline.generate(["still here"], params)[0].outputs[0].text
+    assert engine.is_running and not engine.errored

@@ -3,7 +3,8 @@
 token (cumulative text and token ids, vLLM's default; the last has finished=True), `await engine.abort(request_id)`
 ends a request and frees its blocks, `engine.shutdown()` stops it. One background thread runs the step loop (the
 LLM below, untouched by any other thread) and hands each step's outputs to the streams' queues, so the event loop
-never waits for a step. A step that fails reaches every stream it served as an exception; the loop goes on.
+never waits for a step. A step that fails reaches every stream it served as an exception; the loop goes on. An
+error outside a step kills the loop: every open stream and every later call gets EngineDeadError.
 
 The LLM gains what a stream needs: step(partial=True) also returns the requests that got a token and go on (their
 text held back by the longest stop string's length minus one, so a later stop string never has to take back text
@@ -60,6 +61,7 @@ import itertools
 import queue
 import threading
 import time
+import traceback
 import weakref
 
 import torch
@@ -430,6 +432,10 @@ class EngineShutDown(RuntimeError):
     """The AsyncLLM was shut down: no request runs any more."""
 
 
+class EngineDeadError(RuntimeError):
+    """The step loop stopped on an error outside a step (vLLM's name): no request runs, none is taken any more."""
+
+
 class _Stream:
     """One request's way back to its caller: an asyncio queue of the caller's event loop, fed from the step thread."""
 
@@ -453,6 +459,11 @@ def _resolve(future: asyncio.Future, value) -> None:
         future.set_result(value)
 
 
+def _fail(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
 class AsyncLLM:
     """An LLM served to many callers at once, streaming each request's outputs as its tokens arrive.
 
@@ -464,7 +475,9 @@ class AsyncLLM:
     whenever a request is queued or running, and puts each output in its request's queue. The event loop only
     puts commands and reads queues, so it never waits for a step. A caller that stops reading (breaks out of the
     loop, is cancelled) aborts its request; a step that fails ends every stream it served with EngineStepError,
-    and the loop serves the next requests; shutdown() ends every stream with EngineShutDown.
+    and the loop serves the next requests; shutdown() ends every stream with EngineShutDown. An error outside a
+    step (in the loop's own code) kills the loop: every open stream, and every later call, gets EngineDeadError,
+    and `errored` turns True.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
@@ -477,9 +490,23 @@ class AsyncLLM:
         self._submitted: set[str] = set()  # the step thread's: requests it gave the LLM, not yet finished or aborted
         self._ids = itertools.count()
         self._stopped = False
+        self._dead: BaseException | None = None  # why the step loop died (an error outside a step), None while it runs
         self.stats = {"steps": 0, "failed_steps": 0, "aborted": 0, "coalesced": 0, "step_thread_cpu_s": 0.0}
         self._thread = threading.Thread(target=self._loop, name="AsyncLLM step loop", daemon=True)
         self._thread.start()
+
+    @property
+    def errored(self) -> bool:
+        """True once the step loop has died of an error outside a step (vLLM's name): nothing is served any more."""
+        return self._dead is not None
+
+    @property
+    def is_running(self) -> bool:
+        """The step loop is alive: not shut down, not dead."""
+        return self._thread.is_alive() and not self._stopped and self._dead is None
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine's step loop died: {type(self._dead).__name__}: {self._dead}")
 
     # ---- the callers' side: the event loop ----------------------------------------------------------------
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None):
@@ -494,7 +521,9 @@ class AsyncLLM:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         stream = _Stream(asyncio.get_running_loop())
-        with self._lock:
+        with self._lock:  # the loop marks itself dead under this lock: a stream added here is one it will end
+            if self._dead is not None:
+                raise self._dead_error()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already running")
             self._streams[request_id] = stream
@@ -523,7 +552,10 @@ class AsyncLLM:
         (finished=True, finish_reason "abort"). -> whether it was queued or running."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._send("abort", request_id, loop, done)
+        with self._lock:  # as in generate(): a dead loop answers no command, so none is sent to it
+            if self._dead is not None:
+                raise self._dead_error()
+            self._send("abort", request_id, loop, done)
         return await done
 
     def shutdown(self) -> None:
@@ -546,6 +578,31 @@ class AsyncLLM:
 
     # ---- the step loop's side: its own thread ---------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # outside a step (a command, a delivery): the loop cannot go on, so it says so
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        """The loop is dead: mark it, end every open stream and every waiting abort() with EngineDeadError."""
+        with self._lock:
+            self._dead = error
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(self._dead_error())
+        while True:  # commands sent before the mark: an abort() waits for its answer
+            try:
+                kind, _, payload, done = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "abort" and done is not None:
+                try:
+                    payload.call_soon_threadsafe(_fail, done, self._dead_error())
+                except RuntimeError:  # its event loop is closed: nobody waits
+                    pass
+        traceback.print_exception(error)  # the server's log gets the cause
+
+    def _serve(self) -> None:
         llm = self.llm
         while True:
             if not self._run_commands():
@@ -595,7 +652,10 @@ class AsyncLLM:
                     out.finished, out.outputs[0].finish_reason = True, "abort"
                     self._deliver(request_id, out)
                 if done is not None:  # abort() waits for this: its caller's loop learns it in its own thread
-                    payload.call_soon_threadsafe(_resolve, done, seq is not None)
+                    try:
+                        payload.call_soon_threadsafe(_resolve, done, seq is not None)
+                    except RuntimeError:  # that event loop is closed: nobody waits for the answer
+                        pass
 
     def _deliver(self, request_id: str, item) -> None:
         self._deliver_all([(request_id, item)])
