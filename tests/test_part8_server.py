@@ -12,7 +12,6 @@ Every server here is stopped by its test or fixture; every call has a timeout.
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,12 +30,7 @@ OPTIONS = dict(device="cpu", dtype="float32", max_kv_tokens=4096, max_num_seqs=1
 ROOT = Path(__file__).resolve().parents[1]
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = step_module(SERVER, "parallel").free_port
 
 
 class RunningServer:

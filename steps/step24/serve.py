@@ -42,12 +42,12 @@ import uuid
 
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from shared import SamplingParams, check_conversations
 
-from .engine import AsyncLLM, EngineShutDown, EngineStepError
+from .engine import KV_CACHE_DTYPES, AsyncLLM, EngineShutDown, EngineStepError
 
 # OpenAI fields this server reads (each checked) or knows to be harmless (user: an end-user id, for their logs).
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -115,17 +115,18 @@ class Server:
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.created = int(time.time())
 
-    def check(self, headers, body: dict | None = None) -> None:
+    def check_key(self, headers) -> None:
         if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
             raise APIError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
-        if body is not None:
-            model = body.get("model")
-            if model is None:
-                raise APIError(400, "model is required", param="model")
-            if model != self.model_name:
-                raise APIError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
-                               param="model", code="model_not_found")
+
+    def check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is None:
+            raise APIError(400, "model is required", param="model")
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
@@ -280,8 +281,20 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
     app = FastAPI(title="llm-steps step24", lifespan=lifespan)
     app.state.server = server
 
-    def error(e: APIError) -> JSONResponse:
+    # Every handler raises its errors; these turn them into OpenAI's shape, in one place.
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(EngineStepError)
+    @app.exception_handler(EngineShutDown)
+    async def engine_error(request: Request, e: Exception):  # a request that was running when the engine failed
+        return JSONResponse(APIError(500, str(e), kind="server_error").body(), status_code=500)
+
+    async def require_key(request: Request) -> None:  # a dependency of every /v1 endpoint
+        server.check_key(request.headers)
+
+    v1 = [Depends(require_key)]
 
     @app.get("/health")
     async def health():
@@ -291,40 +304,30 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
     async def stats():
         return JSONResponse(server.stats())
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        try:
-            server.check(request.headers)
-        except APIError as e:
-            return error(e)
+    @app.get("/v1/models", dependencies=v1)
+    async def models():
         return JSONResponse(server.models())
 
     async def completion(request: Request, chat: bool):
-        try:
-            body, ignored = parse_body(await request.body())
-            server.check(request.headers, body)
-            request_id, stream, prompt_tokens, sp = server.start(body, chat)
-        except APIError as e:
-            return error(e)
+        body, ignored = parse_body(await request.body())
+        server.check_model(body)
+        request_id, stream, prompt_tokens, sp = server.start(body, chat)
         headers = {"x-ignored-fields": ",".join(ignored)} if ignored else {}
         if body.get("stream"):
             options = body.get("stream_options") or {}
             return StreamingResponse(server.sse(request_id, stream, prompt_tokens, sp, chat,
                                                 bool(options.get("include_usage"))),
                                      media_type="text/event-stream", headers=headers)
-        try:
-            out = await server.complete(stream, request.is_disconnected)
-        except (EngineStepError, EngineShutDown) as e:
-            return error(APIError(500, str(e), kind="server_error"))
+        out = await server.complete(stream, request.is_disconnected)
         if out is None or out.outputs[0].finish_reason == "abort":  # the client went away: nobody reads this
-            return error(APIError(499, "the client closed the request", kind="client_closed"))
+            raise APIError(499, "the client closed the request", kind="client_closed")
         return JSONResponse(server.response(request_id, out, prompt_tokens, sp, chat), headers=headers)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request):
         return await completion(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request):
         return await completion(request, chat=True)
 
@@ -339,7 +342,7 @@ def engine_arg_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests in one step (default: %(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-kv-tokens", type=int, default=None, help="the KV pool (default: the engine's)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
