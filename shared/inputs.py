@@ -113,10 +113,15 @@ def normalize_sampling_params(sampling_params, n: int, default: SamplingParams) 
     return [dataclasses.replace(sp) for sp in sampling_params]  # replace() runs __post_init__: validate()
 
 
+class ContextLengthExceededError(ValueError):
+    """A request's prompt + max_tokens is longer than the model's context (a ValueError, of its own type so that a
+    server can tell it from other bad input: OpenAI's code for it is context_length_exceeded)."""
+
+
 def check_length(index: int, prompt_len: int, params: SamplingParams, max_model_len: int) -> None:
     """prompt + max_tokens must fit in the model's context; never truncate silently."""
     if prompt_len + params.max_tokens > max_model_len:
-        raise ValueError(
+        raise ContextLengthExceededError(
             f"prompts[{index}]: prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
             f"{prompt_len + params.max_tokens} exceeds the model's context of {max_model_len} tokens"
         )

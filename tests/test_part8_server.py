@@ -37,11 +37,11 @@ class RunningServer:
     """build_app(AsyncLLM) under uvicorn in a thread of this process: a real server on a real port, whose engine the
     test can look into."""
 
-    def __init__(self, api_key=None):
+    def __init__(self, api_key=None, **options):
         import uvicorn
 
         serve = step_module(SERVER, "serve")
-        self.engine = load_engine(SERVER).AsyncLLM(MODEL, **OPTIONS)
+        self.engine = load_engine(SERVER).AsyncLLM(MODEL, **{**OPTIONS, **options})
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(serve.build_app(self.engine, NAME, api_key), host="127.0.0.1", port=self.port,
@@ -84,6 +84,14 @@ def server():
 @pytest.fixture(scope="module")
 def offline():
     return load_engine(SERVER).LLM(MODEL, **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    """A server whose KV pool (256 tokens) is smaller than the model's context (2048)."""
+    s = RunningServer(max_kv_tokens=256)
+    yield s
+    s.stop()
 
 
 def client(server, **kwargs):
@@ -185,6 +193,18 @@ def test_a_bad_request_gets_its_status_and_an_openai_error_body(server, body, st
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
     assert fragment in error["message"], error
     assert httpx.get(f"{server.base}/health", timeout=10).status_code == 200  # and the server goes on
+
+
+def test_a_request_too_large_for_the_kv_pool_is_not_called_a_context_overflow(small_server):
+    """The engine's errors have types, and the code follows the type: a request that fits the context but never
+    the KV pool is a plain invalid request, not context_length_exceeded."""
+    r = httpx.post(f"{small_server.base}/v1/completions", timeout=30,
+                   json={"model": NAME, "prompt": "x", "max_tokens": 300})
+    assert r.status_code == 400 and "it could never fit in the KV pool" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] is None
+    r = httpx.post(f"{small_server.base}/v1/completions", timeout=30,
+                   json={"model": NAME, "prompt": "x", "max_tokens": 3000})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 
 
 def test_bad_chat_requests_and_unknown_fields(server, offline):

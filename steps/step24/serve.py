@@ -45,7 +45,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from shared import SamplingParams, check_conversations
+from shared import ContextLengthExceededError, SamplingParams, check_conversations
 
 from .engine import KV_CACHE_DTYPES, AsyncLLM, EngineShutDown, EngineStepError
 
@@ -170,8 +170,8 @@ class Server:
         try:
             params = sampling_params(body, chat)
             text, ids, sp = self.engine.llm.check_request(prompt, params)
-        except (ValueError, TypeError) as e:
-            code = "context_length_exceeded" if "exceeds" in str(e) else None
+        except (ValueError, TypeError) as e:  # the engine's error type says which code it is
+            code = "context_length_exceeded" if isinstance(e, ContextLengthExceededError) else None
             raise APIError(400, str(e), code=code) from None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return request_id, self.engine.generate(ids, sp, request_id), len(ids), sp
