@@ -284,6 +284,40 @@ def test_an_injected_step_failure_reaches_the_client_and_the_server_goes_on(serv
     server.wait_idle()
 
 
+def test_a_dead_engine_ends_every_stream_and_answers_503():
+    """An error outside an engine step (here: adding a request raises) kills the engine's step loop. The stream
+    that was running ends with an error event, the request that hit the failure and every later one get 503 in
+    OpenAI's shape, and /health says 503: a dead engine does not look healthy."""
+    s = RunningServer()
+    add, broken = s.engine.llm._add, []
+
+    def failing_add(*args, **kwargs):
+        if broken:
+            raise RuntimeError("injected failure outside a step")
+        return add(*args, **kwargs)
+
+    s.engine.llm._add = failing_add
+    try:
+        body = {"model": NAME, "prompt": "go on and on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{s.base}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")  # running
+            broken.append(True)
+            r2 = httpx.post(f"{s.base}/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2},
+                            timeout=30)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert r2.status_code == 503 and "injected failure outside a step" in r2.json()["error"]["message"], r2.text
+        assert events[-1] == "data: [DONE]" and "injected failure outside a step" in events[-2], events[-3:]
+        assert json.loads(events[-2][len("data: "):])["error"]["type"] == "server_error"
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/health")):
+            r = httpx.request(method, f"{s.base}{path}", timeout=30, json={
+                "model": NAME, "prompt": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            error = r.json()["error"]
+            assert r.status_code == 503 and set(error) == {"message", "type", "param", "code"}, (path, r.text)
+            assert "step loop died: RuntimeError: injected failure outside a step" in error["message"]
+    finally:
+        s.stop()
+
 def test_bench_serve_measures_what_the_server_served(server):
     bench = step_module(SERVER, "bench_serve")
     prompts = bench.random_prompts(6, 16, seed=3)

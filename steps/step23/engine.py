@@ -505,7 +505,9 @@ class AsyncLLM:
         """The step loop is alive: not shut down, not dead."""
         return self._thread.is_alive() and not self._stopped and self._dead is None
 
-    def _dead_error(self) -> EngineDeadError:
+    @property
+    def dead_error(self) -> EngineDeadError:
+        """A new EngineDeadError that says why the step loop died (once `errored`)."""
         return EngineDeadError(f"the engine's step loop died: {type(self._dead).__name__}: {self._dead}")
 
     # ---- the callers' side: the event loop ----------------------------------------------------------------
@@ -523,7 +525,7 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:  # the loop marks itself dead under this lock: a stream added here is one it will end
             if self._dead is not None:
-                raise self._dead_error()
+                raise self.dead_error
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already running")
             self._streams[request_id] = stream
@@ -554,7 +556,7 @@ class AsyncLLM:
         done = loop.create_future()
         with self._lock:  # as in generate(): a dead loop answers no command, so none is sent to it
             if self._dead is not None:
-                raise self._dead_error()
+                raise self.dead_error
             self._send("abort", request_id, loop, done)
         return await done
 
@@ -589,7 +591,7 @@ class AsyncLLM:
             self._dead = error
             streams = list(self._streams.values())
         for stream in streams:
-            stream.put(self._dead_error())
+            stream.put(self.dead_error)
         while True:  # commands sent before the mark: an abort() waits for its answer
             try:
                 kind, _, payload, done = self._commands.get_nowait()
@@ -597,7 +599,7 @@ class AsyncLLM:
                 break
             if kind == "abort" and done is not None:
                 try:
-                    payload.call_soon_threadsafe(_fail, done, self._dead_error())
+                    payload.call_soon_threadsafe(_fail, done, self.dead_error)
                 except RuntimeError:  # its event loop is closed: nobody waits
                     pass
         traceback.print_exception(error)  # the server's log gets the cause

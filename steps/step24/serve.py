@@ -4,7 +4,7 @@
 
 Endpoints (OpenAI's API, as vLLM serves it):
 
-    GET  /health                 200 while the engine runs
+    GET  /health                 200 while the engine runs, 503 once it has stopped (shut down, or dead)
     GET  /v1/models              the one model served
     POST /v1/completions         a prompt (text or token ids) -> text; "stream": true for server-sent events
     POST /v1/chat/completions    messages -> the assistant's reply (the model's chat template); streams the same way
@@ -18,7 +18,9 @@ rather than silently misread.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON, an invalid
 value (the engine's own ValueError text) or a prompt beyond the context; 404 for another model; 401 without the key
-when --api-key is set. A client that goes away mid-request aborts it: its KV blocks are free at once.
+when --api-key is set; 500 when the engine step serving the request failed; 503 once the engine is dead (its step
+loop stopped on an error: every request then gets 503, and /health too, so that a supervisor restarts the server). A
+client that goes away mid-request aborts it: its KV blocks are free at once.
 
 Streaming is server-sent events (SSE): each chunk is a line `data: {json}` and a blank line, the text in each
 chunk is what is new since the one before (the engine's cumulative text, differenced), and the stream ends with
@@ -47,7 +49,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from shared import ContextLengthExceededError, SamplingParams, check_conversations
 
-from .engine import KV_CACHE_DTYPES, AsyncLLM, EngineShutDown, EngineStepError
+from .engine import KV_CACHE_DTYPES, AsyncLLM, EngineDeadError, EngineShutDown, EngineStepError
 
 # OpenAI fields this server reads (each checked) or knows to be harmless (user: an end-user id, for their logs).
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -164,8 +166,14 @@ class Server:
         return prompt
 
     # ---- one completion ---------------------------------------------------------------------------------
+    def check_running(self) -> None:
+        if not self.engine.is_running:
+            why = str(self.engine.dead_error) if self.engine.errored else "the engine is shut down"
+            raise APIError(503, why, kind="server_error")
+
     def start(self, body: dict, chat: bool):
         """Check everything, then submit: -> (request id, its output stream, the prompt's token count)."""
+        self.check_running()
         prompt = self.prompt(body, chat)
         try:
             params = sampling_params(body, chat)
@@ -262,7 +270,7 @@ class Server:
                 n = len(out.outputs[0].token_ids)
                 yield chunk(None, {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                                    "total_tokens": prompt_tokens + n})
-        except (EngineStepError, EngineShutDown) as e:  # the headers are sent: the error travels as an event
+        except (EngineStepError, EngineShutDown, EngineDeadError) as e:  # the headers are sent: an error event
             yield f"data: {json.dumps(APIError(500, str(e), kind='server_error').body())}\n\n"
         finally:
             await stream.aclose()  # a client gone mid-stream: generate()'s finally aborts the request
@@ -288,8 +296,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
 
     @app.exception_handler(EngineStepError)
     @app.exception_handler(EngineShutDown)
-    async def engine_error(request: Request, e: Exception):  # a request that was running when the engine failed
-        return JSONResponse(APIError(500, str(e), kind="server_error").body(), status_code=500)
+    @app.exception_handler(EngineDeadError)
+    async def engine_error(request: Request, e: Exception):  # the engine failed while it served the request
+        status = 503 if isinstance(e, EngineDeadError) else 500  # dead: so is every request after this one
+        return JSONResponse(APIError(status, str(e), kind="server_error").body(), status_code=status)
 
     async def require_key(request: Request) -> None:  # a dependency of every /v1 endpoint
         server.check_key(request.headers)
@@ -298,6 +308,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
 
     @app.get("/health")
     async def health():
+        server.check_running()  # 503 once the engine's step loop is gone
         return JSONResponse({"status": "ok"})
 
     @app.get("/stats")
