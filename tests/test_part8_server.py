@@ -195,6 +195,21 @@ def test_a_bad_request_gets_its_status_and_an_openai_error_body(server, body, st
     assert httpx.get(f"{server.base}/health", timeout=10).status_code == 200  # and the server goes on
 
 
+@pytest.mark.parametrize("pool", ["context", "kv pool"])
+def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context(server, small_server, pool):
+    """As vLLM's: a chat reply without max_tokens may take what its prompt leaves of the context (or of the KV pool,
+    where that is smaller: 256 tokens of small_server's against a context of 2048); a completion keeps OpenAI's 16."""
+    s = server if pool == "context" else small_server
+    room = 2048 if pool == "context" else 256
+    c = client(s)
+    r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Go on."}], temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == room - r.usage.prompt_tokens > 16
+    r = c.completions.create(model=NAME, prompt="Go on.", temperature=0, extra_body={"ignore_eos": True})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 16)
+    s.wait_idle()
+
 def test_a_request_too_large_for_the_kv_pool_is_not_called_a_context_overflow(small_server):
     """The engine's errors have types, and the code follows the type: a request that fits the context but never
     the KV pool is a plain invalid request, not context_length_exceeded."""

@@ -11,10 +11,11 @@ Endpoints (OpenAI's API, as vLLM serves it):
     GET  /stats                  this server's own: requests running and waiting, free KV blocks, steps
 
 A request's fields: model, prompt / messages, max_tokens (max_completion_tokens), temperature, top_p, top_k, min_p,
-stop, seed, n (1), logprobs (and top_logprobs for chat), ignore_eos, stream, stream_options.include_usage. Fields
-this server does not know are ignored, as vLLM ignores them, and named in the response's `x-ignored-fields` header;
-fields it knows but does not implement (n > 1, echo, best_of, a penalty, logit_bias, ...) are refused with 400
-rather than silently misread.
+stop, seed, n (1), logprobs (and top_logprobs for chat), ignore_eos, stream, stream_options.include_usage. Without
+max_tokens a completion makes 16 tokens (OpenAI's default) and a chat reply may run to the end of the context
+(vLLM's), or of the KV pool where that is smaller. Fields this server does not know are ignored, as vLLM ignores
+them, and named in the response's `x-ignored-fields` header; fields it knows but does not implement (n > 1, echo,
+best_of, a penalty, logit_bias, ...) are refused with 400 rather than silently misread.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON, an invalid
 value (the engine's own ValueError text) or a prompt beyond the context; 404 for another model; 401 without the key
@@ -91,10 +92,15 @@ def parse_body(raw: bytes) -> tuple[dict, list[str]]:
     return body, ignored
 
 
-def sampling_params(body: dict, chat: bool) -> SamplingParams:
+def sampling_params(body: dict, chat: bool, room: int) -> SamplingParams:
     """The request's sampling fields -> SamplingParams (OpenAI's defaults: temperature 1, 16 tokens for a completion;
-    a chat reply may run to the end of the context, as vLLM's does). ValueError names a bad value."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
+    a chat reply may run to the end of the context, as vLLM's does: `room` tokens, what its prompt leaves). ValueError
+    names a bad value."""
+    if chat:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = room if max_tokens is None else max_tokens
+    else:
+        max_tokens = body.get("max_tokens", 16)
     if chat:
         logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
         if body.get("logprobs") not in (None, True, False):
@@ -142,6 +148,14 @@ class Server:
                 "phase_s": dict(llm.timers.seconds),  # the engine's time by phase so far (timers.py), in seconds
                 "process_cpu_s": time.process_time()}  # the CPU time of the whole server process so far
 
+    def room(self, prompt_len: int) -> int:
+        """The tokens a reply may take after a prompt of prompt_len tokens: the rest of the model's context, or of the
+        KV pool where that is smaller (a request must fit in it alone). At least 1: a prompt that fills the context
+        gets the engine's own error."""
+        llm = self.engine.llm
+        pool = llm.block_manager.num_blocks * llm.block_manager.block_size
+        return max(1, min(llm.max_model_len, pool) - prompt_len)
+
     def prompt(self, body: dict, chat: bool):
         """The prompt the engine runs: text or token ids (a completion), the chat template's ids (a chat)."""
         tokenizer = self.engine.tokenizer
@@ -176,7 +190,7 @@ class Server:
         self.check_running()
         prompt = self.prompt(body, chat)
         try:
-            params = sampling_params(body, chat)
+            params = sampling_params(body, chat, self.room(len(prompt)) if chat else 0)
             text, ids, sp = self.engine.llm.check_request(prompt, params)
         except (ValueError, TypeError) as e:  # the engine's error type says which code it is
             code = "context_length_exceeded" if isinstance(e, ContextLengthExceededError) else None
