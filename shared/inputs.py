@@ -88,7 +88,9 @@ def normalize_prompts(prompts, tokenizer, vocab_size: int) -> list[tuple[str | N
             if len(p) == 0:
                 raise ValueError(f"prompts[{i}]: empty prompt")
             for t in p:
-                if not isinstance(t, int) or isinstance(t, bool) or not (0 <= t < vocab_size):
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise ValueError(f"prompts[{i}]: token id {t!r}: expected an int, got {type(t).__name__}")
+                if not 0 <= t < vocab_size:
                     raise ValueError(f"prompts[{i}]: token id {t!r} is outside the vocabulary [0, {vocab_size})")
             result.append((None, list(p)))
         else:

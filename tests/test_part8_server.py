@@ -178,9 +178,15 @@ BAD = [  # (body or raw bytes, status, code, a fragment of the message)
     ({"model": NAME, "prompt": "x", "echo": True}, 400, None, "echo=True is not supported"),
     ({"model": NAME, "prompt": "x", "frequency_penalty": 0.5}, 400, None, "frequency_penalty=0.5 is not supported"),
     ({"model": NAME, "prompt": ["a", "b"]}, 400, None, "one prompt per request"),
+    ({"model": NAME, "prompt": [[1, 2], [3]]}, 400, None, "one prompt per request"),
+    ({"model": NAME, "prompt": 12}, 400, None, "prompt must be a string or a list of token ids, got int"),
+    ({"model": NAME, "prompt": [12, True]}, 400, None, "token id True: expected an int, got bool"),
     ({"model": NAME, "prompt": "x", "stop": 5}, 400, None, "stop must be"),
     ({"model": NAME, "prompt": "x", "logprobs": -1}, 400, None, "logprobs must be"),
 ]
+
+NAMED = {"prompt must be a string or a list of token ids, got int": "prompt",  # fragment -> the error's param
+         "one prompt per request": "prompt", "n=2": "n"}
 
 
 @pytest.mark.parametrize("body,status,code,fragment", BAD)
@@ -192,6 +198,7 @@ def test_a_bad_request_gets_its_status_and_an_openai_error_body(server, body, st
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
     assert fragment in error["message"], error
+    assert error["param"] == NAMED.get(fragment, error["param"]), error  # the server's own checks name the field
     assert httpx.get(f"{server.base}/health", timeout=10).status_code == 200  # and the server goes on
 
 

@@ -175,7 +175,10 @@ class Server:
         prompt = body["prompt"]
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if not isinstance(prompt, (str, list)):  # a bare number is no prompt (the engine would read it as [id])
+            raise APIError(400, f"prompt must be a string or a list of token ids, got {type(prompt).__name__} "
+                                f"({prompt!r:.40})", param="prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise APIError(400, f"this server takes one prompt per request, got {len(prompt)}", param="prompt")
         return prompt
 
