@@ -136,14 +136,21 @@ def check_conversations(conversations) -> list[list[dict]]:
     if not isinstance(conversations, list) or not conversations:
         raise ValueError("conversations: give a list of messages or a non-empty list of conversations")
     for i, conv in enumerate(conversations):
-        if not isinstance(conv, list) or not conv:
-            raise ValueError(f"conversations[{i}]: a conversation is a non-empty list of messages")
-        for m in conv:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"conversations[{i}]: each message needs 'role' and 'content', got {m!r}")
-            if m["role"] not in ("system", "user", "assistant"):
-                raise ValueError(f"conversations[{i}]: unknown role {m['role']!r}")
-            if not isinstance(m["content"], str):
-                raise ValueError(f"conversations[{i}]: a message's content must be a string, got "
-                                 f"{type(m['content']).__name__} ({m['content']!r:.40})")
+        check_messages(conv, f"conversations[{i}]")
     return conversations
+
+
+def check_messages(messages, name: str = "messages") -> list[dict]:
+    """One conversation: a non-empty list of {"role", "content"} dicts. Each error starts with `name`, what the
+    caller calls it (an OpenAI server: `messages`)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{name}: a conversation is a non-empty list of messages, got {messages!r:.40}")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"{name}: each message needs 'role' and 'content', got {m!r}")
+        if m["role"] not in ("system", "user", "assistant"):
+            raise ValueError(f"{name}: unknown role {m['role']!r}")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"{name}: a message's content must be a string, got "
+                             f"{type(m['content']).__name__} ({m['content']!r:.40})")
+    return messages

@@ -181,12 +181,13 @@ BAD = [  # (body or raw bytes, status, code, a fragment of the message)
     ({"model": NAME, "prompt": [[1, 2], [3]]}, 400, None, "one prompt per request"),
     ({"model": NAME, "prompt": 12}, 400, None, "prompt must be a string or a list of token ids, got int"),
     ({"model": NAME, "prompt": [12, True]}, 400, None, "token id True: expected an int, got bool"),
+    ({"model": NAME, "prompt": "x", "temperature": 2.5}, 400, None, "temperature must be in [0, 2]"),
     ({"model": NAME, "prompt": "x", "stop": 5}, 400, None, "stop must be"),
     ({"model": NAME, "prompt": "x", "logprobs": -1}, 400, None, "logprobs must be"),
 ]
 
 NAMED = {"prompt must be a string or a list of token ids, got int": "prompt",  # fragment -> the error's param
-         "one prompt per request": "prompt", "n=2": "n"}
+         "temperature must be in [0, 2]": "temperature", "one prompt per request": "prompt", "n=2": "n"}
 
 
 @pytest.mark.parametrize("body,status,code,fragment", BAD)
@@ -230,10 +231,13 @@ def test_a_request_too_large_for_the_kv_pool_is_not_called_a_context_overflow(sm
 
 
 def test_bad_chat_requests_and_unknown_fields(server, offline):
-    for messages, fragment in (([], "conversations"), ([{"role": "robot", "content": "hi"}], "role"),
-                               ([{"content": "hi"}], "role")):
+    for messages, fragment in (([], "messages: a conversation is a non-empty list of messages"),
+                               ([{"role": "robot", "content": "hi"}], "messages: unknown role 'robot'"),
+                               ([{"content": "hi"}], "messages: each message needs 'role'"),
+                               ("hi", "messages: a conversation is a non-empty list")):
         r = httpx.post(f"{server.base}/v1/chat/completions", json={"model": NAME, "messages": messages}, timeout=30)
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "messages"
     # a field this server does not know is ignored (vLLM's way), and named in a header
     r = httpx.post(f"{server.base}/v1/completions", timeout=30,
                    json={"model": NAME, "prompt": "hi", "max_tokens": 3, "temperature": 0, "my_field": 1, "user": "u"})

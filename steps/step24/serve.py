@@ -48,7 +48,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from shared import ContextLengthExceededError, SamplingParams, check_conversations
+from shared import ContextLengthExceededError, SamplingParams, check_messages
 
 from .engine import KV_CACHE_DTYPES, AsyncLLM, EngineDeadError, EngineShutDown, EngineStepError
 
@@ -94,18 +94,16 @@ def parse_body(raw: bytes) -> tuple[dict, list[str]]:
 
 def sampling_params(body: dict, chat: bool, room: int) -> SamplingParams:
     """The request's sampling fields -> SamplingParams (OpenAI's defaults: temperature 1, 16 tokens for a completion;
-    a chat reply may run to the end of the context, as vLLM's does: `room` tokens, what its prompt leaves). ValueError
-    names a bad value."""
+    a chat reply may run to the end of the context, as vLLM's does: `room` tokens, what its prompt leaves). A
+    temperature above 2, outside OpenAI's range, is an APIError naming it; ValueError names any other bad value."""
     if chat:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = room if max_tokens is None else max_tokens
-    else:
-        max_tokens = body.get("max_tokens", 16)
-    if chat:
         logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
         if body.get("logprobs") not in (None, True, False):
             raise ValueError(f"logprobs must be true or false for a chat completion, got {body['logprobs']!r}")
     else:
+        max_tokens = body.get("max_tokens", 16)
         logprobs = body.get("logprobs")
     options = dict(temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
                    top_k=body.get("top_k", -1), min_p=body.get("min_p", 0.0), stop=body.get("stop"),
@@ -113,6 +111,9 @@ def sampling_params(body: dict, chat: bool, room: int) -> SamplingParams:
     for name in ("temperature", "top_p", "top_k", "min_p", "ignore_eos"):
         if options[name] is None:  # JSON null: the default
             options.pop(name)
+    temperature = options.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 2:
+        raise APIError(400, f"temperature must be in [0, 2] (OpenAI's range), got {temperature!r}", param="temperature")
     return SamplingParams(**options, **({"max_tokens": max_tokens} if max_tokens is not None else {}))
 
 
@@ -163,12 +164,9 @@ class Server:
             if "messages" not in body:
                 raise APIError(400, "messages is required", param="messages")
             try:
-                (conversation,) = check_conversations(body["messages"])
-                messages = [{"role": m["role"], "content": m["content"]} for m in conversation]
-                if not all(isinstance(m["content"], str) for m in messages):
-                    raise ValueError("messages: each content must be a string")
-                return tokenizer.apply_chat_template(messages)
-            except ValueError as e:
+                messages = check_messages(body["messages"], "messages")
+                return tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
+            except ValueError as e:  # a bad message, or a model without a chat template
                 raise APIError(400, str(e), param="messages") from None
         if "prompt" not in body:
             raise APIError(400, "prompt is required", param="prompt")
