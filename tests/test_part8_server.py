@@ -344,6 +344,36 @@ def test_a_dead_engine_ends_every_stream_and_answers_503():
     finally:
         s.stop()
 
+def test_stats_shows_the_engine_between_two_steps_never_halfway_through_one(server):
+    """/stats runs in the event loop's thread while the step thread changes the LLM: it reads the copy the step
+    thread made between two steps. Here a step is held inside its forward, after the scheduler has taken the new
+    request into the batch and given it blocks: /stats still shows the request waiting and every block free."""
+    runner, idle = server.engine.llm.runner, server.wait_idle()
+    execute, inside, go_on = runner.execute, threading.Event(), threading.Event()
+
+    def held(work):
+        inside.set()
+        assert go_on.wait(30)
+        return execute(work)
+
+    runner.execute = held
+    try:
+        request = threading.Thread(target=httpx.post, args=(f"{server.base}/v1/completions",), daemon=True,
+                                   kwargs=dict(json={"model": NAME, "prompt": "x", "max_tokens": 2}, timeout=60))
+        request.start()
+        assert inside.wait(30)
+        mid = server.stats()
+        assert server.engine.llm.scheduler.running  # the live LLM: the request runs and holds blocks
+    finally:
+        go_on.set()
+        runner.execute = execute
+    request.join(60)
+    assert (mid["running"], mid["waiting"], mid["free_blocks"], mid["steps"]) == (0, 1, idle["num_blocks"],
+                                                                                  idle["steps"]), mid
+    assert mid["streams"] == 1
+    after = server.wait_idle()
+    assert after["steps"] == idle["steps"] + 2
+
 def test_bench_serve_measures_what_the_server_served(server):
     bench = step_module(SERVER, "bench_serve")
     prompts = bench.random_prompts(6, 16, seed=3)

@@ -486,12 +486,14 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _streams (the event loop adds and removes, the step thread reads)
+        # and _state, the step thread's copy of the LLM's state (snapshot())
         self._streams: dict[str, _Stream] = {}
         self._submitted: set[str] = set()  # the step thread's: requests it gave the LLM, not yet finished or aborted
         self._ids = itertools.count()
         self._stopped = False
         self._dead: BaseException | None = None  # why the step loop died (an error outside a step), None while it runs
         self.stats = {"steps": 0, "failed_steps": 0, "aborted": 0, "coalesced": 0, "step_thread_cpu_s": 0.0}
+        self._publish()
         self._thread = threading.Thread(target=self._loop, name="AsyncLLM step loop", daemon=True)
         self._thread.start()
 
@@ -574,6 +576,14 @@ class AsyncLLM:
             stream.put(EngineShutDown("the engine was shut down while this request ran"))
         self.llm.shutdown()
 
+    def snapshot(self) -> dict:
+        """The engine's state for another thread to read (a server's /stats): requests running and waiting, free KV
+        blocks, time per phase, the counters. The step thread alone changes the LLM, so it copies that state between
+        two steps, and this reads the copy, both under the lock: never a dict the step thread is changing, nor a
+        state halfway through a step."""
+        with self._lock:
+            return {**self._state, "streams": len(self._streams), "coalesced": self.stats["coalesced"]}
+
     def _send(self, kind: str, request_id, payload, done=None) -> None:
         self._commands.put((kind, request_id, payload, done))
         self._wake.set()
@@ -604,11 +614,22 @@ class AsyncLLM:
                     pass
         traceback.print_exception(error)  # the server's log gets the cause
 
+    def _publish(self) -> None:
+        """Copy the LLM's state for snapshot(): run by the step thread, between two steps."""
+        llm = self.llm
+        state = {"running": len(llm.scheduler.running), "waiting": len(llm.scheduler.waiting),
+                 "free_blocks": llm.block_manager.num_free_blocks, "num_blocks": llm.block_manager.num_blocks,
+                 **{k: v for k, v in self.stats.items() if k != "coalesced"},  # coalesced: the event loop's count
+                 "phase_s": dict(llm.timers.seconds)}  # the engine's time by phase so far (timers.py), in seconds
+        with self._lock:
+            self._state = state
+
     def _serve(self) -> None:
         llm = self.llm
         while True:
             if not self._run_commands():
                 return
+            self._publish()
             if not llm.has_unfinished_requests():
                 self._wake.wait()
                 self._wake.clear()
@@ -619,13 +640,15 @@ class AsyncLLM:
                 self.stats["failed_steps"] += 1
                 dropped = [request_id for request_id in self._submitted if request_id not in llm.scheduler.requests]
                 self._submitted.difference_update(dropped)
+                self._publish()
                 for request_id in dropped:
                     self._deliver(request_id, EngineStepError(f"the engine step failed: {type(e).__name__}: {e}"))
                 continue
             self.stats["steps"] += 1
-            self._submitted.difference_update(out.request_id for out in outputs if out.finished)
-            self._deliver_all([(out.request_id, out) for out in outputs])
             self.stats["step_thread_cpu_s"] = time.thread_time()  # this thread's CPU time so far
+            self._submitted.difference_update(out.request_id for out in outputs if out.finished)
+            self._publish()  # before the outputs go: a caller that has its last output sees the state after it
+            self._deliver_all([(out.request_id, out) for out in outputs])
 
     def _run_commands(self) -> bool:
         """Everything the callers sent since the last step, in order. -> False once told to stop."""

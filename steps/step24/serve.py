@@ -142,12 +142,8 @@ class Server:
                                             "owned_by": "llm-steps", "max_model_len": self.engine.llm.max_model_len}]}
 
     def stats(self) -> dict:
-        llm = self.engine.llm
-        return {"running": len(llm.scheduler.running), "waiting": len(llm.scheduler.waiting),
-                "free_blocks": llm.block_manager.num_free_blocks, "num_blocks": llm.block_manager.num_blocks,
-                "streams": len(self.engine._streams), **self.engine.stats,
-                "phase_s": dict(llm.timers.seconds),  # the engine's time by phase so far (timers.py), in seconds
-                "process_cpu_s": time.process_time()}  # the CPU time of the whole server process so far
+        # the engine's state as its step thread copied it between two steps: this thread never reads the live LLM
+        return {**self.engine.snapshot(), "process_cpu_s": time.process_time()}  # the whole process's CPU time so far
 
     def room(self, prompt_len: int) -> int:
         """The tokens a reply may take after a prompt of prompt_len tokens: the rest of the model's context, or of the
