@@ -246,7 +246,7 @@ def test_bad_chat_requests_and_unknown_fields(server, offline):
         0].outputs[0].text
 
 
-def test_the_api_key_is_required_when_set():
+def test_the_api_key_is_required_when_set(offline):
     s = RunningServer(api_key="sekret")
     try:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
@@ -255,7 +255,8 @@ def test_the_api_key_is_required_when_set():
             assert httpx.get(f"{s.base}/v1/models", headers=headers, timeout=30).status_code == 401
         assert httpx.get(f"{s.base}/health", timeout=30).status_code == 200  # health needs no key
         c = openai.OpenAI(base_url=f"{s.base}/v1", api_key="sekret", timeout=60, max_retries=0)
-        assert c.completions.create(model=NAME, prompt="x", max_tokens=2).choices[0].text is not None
+        want = offline.generate(["x"], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].text
+        assert c.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).choices[0].text == want
     finally:
         s.stop()
 
