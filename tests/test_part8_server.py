@@ -41,7 +41,7 @@ class RunningServer:
         import uvicorn
 
         serve = step_module(SERVER, "serve")
-        self.engine = load_engine(SERVER).AsyncLLM(MODEL, **{**OPTIONS, **options})
+        self.engine = step_module(SERVER, "async_llm").AsyncLLM(MODEL, **{**OPTIONS, **options})
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(serve.build_app(self.engine, NAME, api_key), host="127.0.0.1", port=self.port,

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import load_engine, stop_longer_than_the_first_text
+from helpers import load_engine, step_module, stop_longer_than_the_first_text
 from registry import introducing
 from shared import SamplingParams
 
@@ -23,18 +23,19 @@ MODEL = "random:tiny-llama"
 OPTIONS = dict(device="cpu", dtype="float32", max_kv_tokens=4096, max_num_seqs=16)
 
 
-def engine_module():
-    return load_engine(ASYNC)
+def async_llm_module():
+    """async_llm.py: AsyncLLM, its errors, its step loop's helpers."""
+    return step_module(ASYNC, "async_llm")
 
 
 @pytest.fixture(scope="module")
 def offline():
-    return engine_module().LLM(MODEL, **OPTIONS)
+    return load_engine(ASYNC).LLM(MODEL, **OPTIONS)
 
 
 @pytest.fixture
 def engine():
-    engine = engine_module().AsyncLLM(MODEL, **OPTIONS)
+    engine = async_llm_module().AsyncLLM(MODEL, **OPTIONS)
     yield engine
     engine.shutdown()
 
@@ -81,7 +82,7 @@ def test_sixteen_streams_equal_the_offline_engine(engine, offline):
 def test_one_wake_up_of_the_event_loop_per_step(engine):
     """The step loop hands a step's outputs to the event loop together: one call_soon_threadsafe per step, however
     many streams got a token in it."""
-    module, wakeups = engine_module(), []
+    module, wakeups = async_llm_module(), []
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
     async def main():
@@ -211,7 +212,7 @@ def test_a_consumer_that_stops_early_aborts_its_request(engine, how):
 
 
 def test_a_failed_step_reaches_every_stream_and_the_engine_goes_on(engine, offline):
-    module = engine_module()
+    module = async_llm_module()
     execute, calls = engine.llm.runner.execute, []
 
     def failing(work):
@@ -236,7 +237,7 @@ def test_a_failed_step_reaches_every_stream_and_the_engine_goes_on(engine, offli
 
 
 def test_bad_requests_and_a_shut_down_engine(engine):
-    module = engine_module()
+    module = async_llm_module()
 
     async def main():
         bad = SamplingParams(max_tokens=2)
@@ -278,7 +279,7 @@ def test_an_error_outside_a_step_kills_the_engine_and_every_stream_hears_of_it(e
     """A failure in the step loop's own code (here: adding a request raises something other than ValueError) stops
     the loop. The stream that was running, the request that failed, every later request and every later abort get
     EngineDeadError at once (none waits forever), and the engine says it is dead."""
-    module, add = engine_module(), engine.llm._add
+    module, add = async_llm_module(), engine.llm._add
 
     def failing_add(*args, request_id=None, **kwargs):
         if request_id == "second":
