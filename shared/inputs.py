@@ -88,7 +88,9 @@ def normalize_prompts(prompts, tokenizer, vocab_size: int) -> list[tuple[str | N
             if len(p) == 0:
                 raise ValueError(f"prompts[{i}]: empty prompt")
             for t in p:
-                if not isinstance(t, int) or isinstance(t, bool) or not (0 <= t < vocab_size):
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise ValueError(f"prompts[{i}]: token id {t!r}: expected an int, got {type(t).__name__}")
+                if not 0 <= t < vocab_size:
                     raise ValueError(f"prompts[{i}]: token id {t!r} is outside the vocabulary [0, {vocab_size})")
             result.append((None, list(p)))
         else:
@@ -113,10 +115,15 @@ def normalize_sampling_params(sampling_params, n: int, default: SamplingParams) 
     return [dataclasses.replace(sp) for sp in sampling_params]  # replace() runs __post_init__: validate()
 
 
+class ContextLengthExceededError(ValueError):
+    """A request's prompt + max_tokens is longer than the model's context (a ValueError, of its own type so that a
+    server can tell it from other bad input: OpenAI's code for it is context_length_exceeded)."""
+
+
 def check_length(index: int, prompt_len: int, params: SamplingParams, max_model_len: int) -> None:
     """prompt + max_tokens must fit in the model's context; never truncate silently."""
     if prompt_len + params.max_tokens > max_model_len:
-        raise ValueError(
+        raise ContextLengthExceededError(
             f"prompts[{index}]: prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
             f"{prompt_len + params.max_tokens} exceeds the model's context of {max_model_len} tokens"
         )
@@ -129,14 +136,21 @@ def check_conversations(conversations) -> list[list[dict]]:
     if not isinstance(conversations, list) or not conversations:
         raise ValueError("conversations: give a list of messages or a non-empty list of conversations")
     for i, conv in enumerate(conversations):
-        if not isinstance(conv, list) or not conv:
-            raise ValueError(f"conversations[{i}]: a conversation is a non-empty list of messages")
-        for m in conv:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"conversations[{i}]: each message needs 'role' and 'content', got {m!r}")
-            if m["role"] not in ("system", "user", "assistant"):
-                raise ValueError(f"conversations[{i}]: unknown role {m['role']!r}")
-            if not isinstance(m["content"], str):
-                raise ValueError(f"conversations[{i}]: a message's content must be a string, got "
-                                 f"{type(m['content']).__name__} ({m['content']!r:.40})")
+        check_messages(conv, f"conversations[{i}]")
     return conversations
+
+
+def check_messages(messages, name: str = "messages") -> list[dict]:
+    """One conversation: a non-empty list of {"role", "content"} dicts. Each error starts with `name`, what the
+    caller calls it (an OpenAI server: `messages`)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{name}: a conversation is a non-empty list of messages, got {messages!r:.40}")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"{name}: each message needs 'role' and 'content', got {m!r}")
+        if m["role"] not in ("system", "user", "assistant"):
+            raise ValueError(f"{name}: unknown role {m['role']!r}")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"{name}: a message's content must be a string, got "
+                             f"{type(m['content']).__name__} ({m['content']!r:.40})")
+    return messages

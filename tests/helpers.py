@@ -113,3 +113,16 @@ def compare_completions(a, b, logprob_atol: float, exact: bool = True, label: st
         worst = max(worst, abs(la - lb))
     assert worst <= logprob_atol, f"{label}: logprob differs by {worst:.2e} > {logprob_atol:.0e}"
     return worst
+
+
+def stop_longer_than_the_first_text(tokenizer, tokens):
+    """A stop string for an output of these tokens: the start of its text, completed by token k + 1, where the text
+    of the first k tokens (2 characters or more) is shorter than the hold-back, len(stop) - 1. With it the final
+    text is "", and a partial output cut at len(text) - hold, a negative index there, would show all but the last
+    character of the text of k tokens."""
+    pieces = [tokenizer.decode(tokens[:k]) for k in range(len(tokens) + 1)]
+    k = next(k for k in range(1, len(tokens)) if len(pieces[k]) >= 2 and len(pieces[k + 1]) >= len(pieces[k]) + 2)
+    stop = pieces[k + 1][:len(pieces[k]) + 2]
+    assert len(pieces[k]) < len(stop) - 1  # the text so far is shorter than the hold-back
+    return stop
+

@@ -268,13 +268,13 @@ MUTATIONS = [
         ("tests/test_part8_stream.py::test_a_stop_string_across_two_tokens_never_takes_back_text_already_streamed",)),
     Mutation(
         "step23-backlog-not-coalesced", "step23 hands a caller that fell behind every output that piled up",
-        "steps/step23/engine.py",
+        "steps/step23/async_llm.py",
         "                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():",
         "                while False:",
         ("tests/test_part8_stream.py::test_a_caller_that_falls_behind_gets_the_newest_output",)),
     Mutation(
         "step24-gone-client-not-aborted", "step24's engine lets a request run on after its caller stopped reading",
-        "steps/step24/engine.py",
+        "steps/step24/async_llm.py",
         "            if not finished:  # the caller stopped early (break, cancel, an error): the request must not run on",
         "            if False:  # the caller stopped early (break, cancel, an error): the request must not run on",
         ("tests/test_part8_server.py::test_a_client_that_disconnects_mid_stream_frees_its_blocks",)),

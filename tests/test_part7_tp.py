@@ -326,6 +326,19 @@ def test_no_worker_is_left_when_the_engines_process_ends(how, tmp_path):
     assert not any(map(alive, pids))
 
 
+@pytest.mark.slow
+def test_run_py_with_a_tensor_parallel_demo_engine_runs_to_its_end():
+    """`run.py --tensor-parallel-size N`: the demo engine itself is split, and the lesson's comparison of sizes builds
+    its own tp=N engine after it (one tensor-parallel group per process: the demo's is shut down first, and started
+    again for the comparison with step21)."""
+    proc = subprocess.run([sys.executable, f"steps/{TP}/run.py", "--model", "random:tiny-llama", "--device", "cpu",
+                           "--tensor-parallel-size", "2", "--max-tokens", "8", "--lesson-tokens", "9"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tensor parallel: 2 ranks (gloo)" in proc.stdout and "same as tp=1" in proc.stdout
+    assert "The outputs are equal, token for token" in proc.stdout  # step21 against the tp=2 demo engine
+    assert child_processes() == set()
+
 # ---- the GPU --------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")

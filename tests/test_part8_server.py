@@ -12,7 +12,6 @@ Every server here is stopped by its test or fixture; every call has a timeout.
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import load_engine, step_module
+from helpers import load_engine, step_module, stop_longer_than_the_first_text
 from registry import introducing
 from shared import SamplingParams
 
@@ -31,23 +30,18 @@ OPTIONS = dict(device="cpu", dtype="float32", max_kv_tokens=4096, max_num_seqs=1
 ROOT = Path(__file__).resolve().parents[1]
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = step_module(SERVER, "parallel").free_port
 
 
 class RunningServer:
     """build_app(AsyncLLM) under uvicorn in a thread of this process: a real server on a real port, whose engine the
     test can look into."""
 
-    def __init__(self, api_key=None):
+    def __init__(self, api_key=None, **options):
         import uvicorn
 
         serve = step_module(SERVER, "serve")
-        self.engine = load_engine(SERVER).AsyncLLM(MODEL, **OPTIONS)
+        self.engine = step_module(SERVER, "async_llm").AsyncLLM(MODEL, **{**OPTIONS, **options})
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(serve.build_app(self.engine, NAME, api_key), host="127.0.0.1", port=self.port,
@@ -92,6 +86,14 @@ def offline():
     return load_engine(SERVER).LLM(MODEL, **OPTIONS)
 
 
+@pytest.fixture(scope="module")
+def small_server():
+    """A server whose KV pool (256 tokens) is smaller than the model's context (2048)."""
+    s = RunningServer(max_kv_tokens=256)
+    yield s
+    s.stop()
+
+
 def client(server, **kwargs):
     return openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", timeout=60, max_retries=0, **kwargs)
 
@@ -129,6 +131,21 @@ def test_the_openai_client_gets_the_offline_engines_text(server, offline):
     server.wait_idle()
 
 
+def test_a_chat_streamed_equals_the_chat_not_streamed_when_the_stop_string_is_longer_than_the_text(server, offline):
+    """The stop string begins the reply and is longer than the reply's first pieces: the answer is empty, and the
+    streamed deltas must add up to the same empty text (none sent and then taken back)."""
+    messages = [{"role": "user", "content": "Say something short."}]
+    free = offline.chat([messages], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop = stop_longer_than_the_first_text(offline.tokenizer, free.token_ids)
+    c, options = client(server), dict(model=NAME, messages=messages, max_tokens=12, temperature=0, stop=[stop],
+                                      extra_body={"ignore_eos": True})
+    whole = c.chat.completions.create(**options).choices[0]
+    assert (whole.message.content, whole.finish_reason) == ("", "stop")
+    chunks = list(c.chat.completions.create(**options, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole.message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    server.wait_idle()
+
 def test_sixteen_clients_streaming_at_once_all_get_their_text(server, offline):
     prompts = [f"Client {i} asks about {i * 11}" for i in range(16)]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -161,9 +178,16 @@ BAD = [  # (body or raw bytes, status, code, a fragment of the message)
     ({"model": NAME, "prompt": "x", "echo": True}, 400, None, "echo=True is not supported"),
     ({"model": NAME, "prompt": "x", "frequency_penalty": 0.5}, 400, None, "frequency_penalty=0.5 is not supported"),
     ({"model": NAME, "prompt": ["a", "b"]}, 400, None, "one prompt per request"),
+    ({"model": NAME, "prompt": [[1, 2], [3]]}, 400, None, "one prompt per request"),
+    ({"model": NAME, "prompt": 12}, 400, None, "prompt must be a string or a list of token ids, got int"),
+    ({"model": NAME, "prompt": [12, True]}, 400, None, "token id True: expected an int, got bool"),
+    ({"model": NAME, "prompt": "x", "temperature": 2.5}, 400, None, "temperature must be in [0, 2]"),
     ({"model": NAME, "prompt": "x", "stop": 5}, 400, None, "stop must be"),
     ({"model": NAME, "prompt": "x", "logprobs": -1}, 400, None, "logprobs must be"),
 ]
+
+NAMED = {"prompt must be a string or a list of token ids, got int": "prompt",  # fragment -> the error's param
+         "temperature must be in [0, 2]": "temperature", "one prompt per request": "prompt", "n=2": "n"}
 
 
 @pytest.mark.parametrize("body,status,code,fragment", BAD)
@@ -175,14 +199,45 @@ def test_a_bad_request_gets_its_status_and_an_openai_error_body(server, body, st
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
     assert fragment in error["message"], error
+    assert error["param"] == NAMED.get(fragment, error["param"]), error  # the server's own checks name the field
     assert httpx.get(f"{server.base}/health", timeout=10).status_code == 200  # and the server goes on
 
 
+@pytest.mark.parametrize("pool", ["context", "kv pool"])
+def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context(server, small_server, pool):
+    """As vLLM's: a chat reply without max_tokens may take what its prompt leaves of the context (or of the KV pool,
+    where that is smaller: 256 tokens of small_server's against a context of 2048); a completion keeps OpenAI's 16."""
+    s = server if pool == "context" else small_server
+    room = 2048 if pool == "context" else 256
+    c = client(s)
+    r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Go on."}], temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == room - r.usage.prompt_tokens > 16
+    r = c.completions.create(model=NAME, prompt="Go on.", temperature=0, extra_body={"ignore_eos": True})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 16)
+    s.wait_idle()
+
+def test_a_request_too_large_for_the_kv_pool_is_not_called_a_context_overflow(small_server):
+    """The engine's errors have types, and the code follows the type: a request that fits the context but never
+    the KV pool is a plain invalid request, not context_length_exceeded."""
+    r = httpx.post(f"{small_server.base}/v1/completions", timeout=30,
+                   json={"model": NAME, "prompt": "x", "max_tokens": 300})
+    assert r.status_code == 400 and "it could never fit in the KV pool" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] is None
+    r = httpx.post(f"{small_server.base}/v1/completions", timeout=30,
+                   json={"model": NAME, "prompt": "x", "max_tokens": 3000})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
 def test_bad_chat_requests_and_unknown_fields(server, offline):
-    for messages, fragment in (([], "conversations"), ([{"role": "robot", "content": "hi"}], "role"),
-                               ([{"content": "hi"}], "role")):
+    for messages, fragment in (([], "messages: a conversation is a non-empty list of messages"),
+                               ([{"role": "robot", "content": "hi"}], "messages: unknown role 'robot'"),
+                               ([{"content": "hi"}], "messages: each message needs 'role'"),
+                               ("hi", "messages: a conversation is a non-empty list")):
         r = httpx.post(f"{server.base}/v1/chat/completions", json={"model": NAME, "messages": messages}, timeout=30)
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "messages"
     # a field this server does not know is ignored (vLLM's way), and named in a header
     r = httpx.post(f"{server.base}/v1/completions", timeout=30,
                    json={"model": NAME, "prompt": "hi", "max_tokens": 3, "temperature": 0, "my_field": 1, "user": "u"})
@@ -191,7 +246,7 @@ def test_bad_chat_requests_and_unknown_fields(server, offline):
         0].outputs[0].text
 
 
-def test_the_api_key_is_required_when_set():
+def test_the_api_key_is_required_when_set(offline):
     s = RunningServer(api_key="sekret")
     try:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
@@ -200,7 +255,8 @@ def test_the_api_key_is_required_when_set():
             assert httpx.get(f"{s.base}/v1/models", headers=headers, timeout=30).status_code == 401
         assert httpx.get(f"{s.base}/health", timeout=30).status_code == 200  # health needs no key
         c = openai.OpenAI(base_url=f"{s.base}/v1", api_key="sekret", timeout=60, max_retries=0)
-        assert c.completions.create(model=NAME, prompt="x", max_tokens=2).choices[0].text is not None
+        want = offline.generate(["x"], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].text
+        assert c.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).choices[0].text == want
     finally:
         s.stop()
 
@@ -254,6 +310,70 @@ def test_an_injected_step_failure_reaches_the_client_and_the_server_goes_on(serv
         0].outputs[0].text
     server.wait_idle()
 
+
+def test_a_dead_engine_ends_every_stream_and_answers_503():
+    """An error outside an engine step (here: adding a request raises) kills the engine's step loop. The stream
+    that was running ends with an error event, the request that hit the failure and every later one get 503 in
+    OpenAI's shape, and /health says 503: a dead engine does not look healthy."""
+    s = RunningServer()
+    add, broken = s.engine.llm._add, []
+
+    def failing_add(*args, **kwargs):
+        if broken:
+            raise RuntimeError("injected failure outside a step")
+        return add(*args, **kwargs)
+
+    s.engine.llm._add = failing_add
+    try:
+        body = {"model": NAME, "prompt": "go on and on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{s.base}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")  # running
+            broken.append(True)
+            r2 = httpx.post(f"{s.base}/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2},
+                            timeout=30)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert r2.status_code == 503 and "injected failure outside a step" in r2.json()["error"]["message"], r2.text
+        assert events[-1] == "data: [DONE]" and "injected failure outside a step" in events[-2], events[-3:]
+        assert json.loads(events[-2][len("data: "):])["error"]["type"] == "server_error"
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/health")):
+            r = httpx.request(method, f"{s.base}{path}", timeout=30, json={
+                "model": NAME, "prompt": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            error = r.json()["error"]
+            assert r.status_code == 503 and set(error) == {"message", "type", "param", "code"}, (path, r.text)
+            assert "step loop died: RuntimeError: injected failure outside a step" in error["message"]
+    finally:
+        s.stop()
+
+def test_stats_shows_the_engine_between_two_steps_never_halfway_through_one(server):
+    """/stats runs in the event loop's thread while the step thread changes the LLM: it reads the copy the step
+    thread made between two steps. Here a step is held inside its forward, after the scheduler has taken the new
+    request into the batch and given it blocks: /stats still shows the request waiting and every block free."""
+    runner, idle = server.engine.llm.runner, server.wait_idle()
+    execute, inside, go_on = runner.execute, threading.Event(), threading.Event()
+
+    def held(work):
+        inside.set()
+        assert go_on.wait(30)
+        return execute(work)
+
+    runner.execute = held
+    try:
+        request = threading.Thread(target=httpx.post, args=(f"{server.base}/v1/completions",), daemon=True,
+                                   kwargs=dict(json={"model": NAME, "prompt": "x", "max_tokens": 2}, timeout=60))
+        request.start()
+        assert inside.wait(30)
+        mid = server.stats()
+        assert server.engine.llm.scheduler.running  # the live LLM: the request runs and holds blocks
+    finally:
+        go_on.set()
+        runner.execute = execute
+    request.join(60)
+    assert (mid["running"], mid["waiting"], mid["free_blocks"], mid["steps"]) == (0, 1, idle["num_blocks"],
+                                                                                  idle["steps"]), mid
+    assert mid["streams"] == 1
+    after = server.wait_idle()
+    assert after["steps"] == idle["steps"] + 2
 
 def test_bench_serve_measures_what_the_server_served(server):
     bench = step_module(SERVER, "bench_serve")

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import load_engine
+from helpers import load_engine, step_module, stop_longer_than_the_first_text
 from registry import introducing
 from shared import SamplingParams
 
@@ -23,18 +23,19 @@ MODEL = "random:tiny-llama"
 OPTIONS = dict(device="cpu", dtype="float32", max_kv_tokens=4096, max_num_seqs=16)
 
 
-def engine_module():
-    return load_engine(ASYNC)
+def async_llm_module():
+    """async_llm.py: AsyncLLM, its errors, its step loop's helpers."""
+    return step_module(ASYNC, "async_llm")
 
 
 @pytest.fixture(scope="module")
 def offline():
-    return engine_module().LLM(MODEL, **OPTIONS)
+    return load_engine(ASYNC).LLM(MODEL, **OPTIONS)
 
 
 @pytest.fixture
 def engine():
-    engine = engine_module().AsyncLLM(MODEL, **OPTIONS)
+    engine = async_llm_module().AsyncLLM(MODEL, **OPTIONS)
     yield engine
     engine.shutdown()
 
@@ -81,7 +82,7 @@ def test_sixteen_streams_equal_the_offline_engine(engine, offline):
 def test_one_wake_up_of_the_event_loop_per_step(engine):
     """The step loop hands a step's outputs to the event loop together: one call_soon_threadsafe per step, however
     many streams got a token in it."""
-    module, wakeups = engine_module(), []
+    module, wakeups = async_llm_module(), []
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
     async def main():
@@ -211,7 +212,7 @@ def test_a_consumer_that_stops_early_aborts_its_request(engine, how):
 
 
 def test_a_failed_step_reaches_every_stream_and_the_engine_goes_on(engine, offline):
-    module = engine_module()
+    module = async_llm_module()
     execute, calls = engine.llm.runner.execute, []
 
     def failing(work):
@@ -236,7 +237,7 @@ def test_a_failed_step_reaches_every_stream_and_the_engine_goes_on(engine, offli
 
 
 def test_bad_requests_and_a_shut_down_engine(engine):
-    module = engine_module()
+    module = async_llm_module()
 
     async def main():
         bad = SamplingParams(max_tokens=2)
@@ -259,3 +260,64 @@ def test_bad_requests_and_a_shut_down_engine(engine):
 
     asyncio.run(main())
     assert not engine._thread.is_alive()
+
+
+def test_a_text_shorter_than_the_hold_back_streams_nothing_it_takes_back(engine, offline):
+    """Until the text is longer than the hold-back, a partial output shows no text at all: here the stop string
+    turns out to begin the answer, so the final text is empty and every streamed text must be too."""
+    prompt, free = "a short text", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    stop = stop_longer_than_the_first_text(offline.tokenizer, offline.generate([prompt], free)[0].outputs[0].token_ids)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    want = offline.generate([prompt], params)[0].outputs[0]
+    assert (want.text, want.stop_reason) == ("", stop)
+    texts = [o.outputs[0].text for o in asyncio.run(collect(engine, prompt, params))]
+    assert texts[-1] == want.text
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), f"a streamed text was taken back: {texts}"
+
+
+def test_an_error_outside_a_step_kills_the_engine_and_every_stream_hears_of_it(engine):
+    """A failure in the step loop's own code (here: adding a request raises something other than ValueError) stops
+    the loop. The stream that was running, the request that failed, every later request and every later abort get
+    EngineDeadError at once (none waits forever), and the engine says it is dead."""
+    module, add = async_llm_module(), engine.llm._add
+
+    def failing_add(*args, request_id=None, **kwargs):
+        if request_id == "second":
+            raise RuntimeError("injected failure outside a step")
+        return add(*args, request_id=request_id, **kwargs)
+
+    engine.llm._add = failing_add
+
+    async def read_to_the_end(stream):
+        async for _ in stream:
+            pass
+
+    async def main():
+        first = engine.generate("a long one", SamplingParams(max_tokens=1000, ignore_eos=True), "first")
+        await first.__anext__()  # running
+        assert engine.is_running and not engine.errored
+        with pytest.raises(module.EngineDeadError, match="RuntimeError: injected failure outside a step"):
+            await asyncio.wait_for(collect(engine, "x", SamplingParams(max_tokens=2), "second"), 30)
+        with pytest.raises(module.EngineDeadError, match="injected failure outside a step"):
+            await asyncio.wait_for(read_to_the_end(first), 30)
+        with pytest.raises(module.EngineDeadError):
+            await asyncio.wait_for(collect(engine, "z", SamplingParams(max_tokens=2)), 30)
+        with pytest.raises(module.EngineDeadError):
+            await asyncio.wait_for(engine.abort("first"), 30)
+
+    asyncio.run(main())
+    wait_until(lambda: not engine._thread.is_alive())
+    assert engine.errored and not engine.is_running
+
+
+def test_an_abort_whose_event_loop_closed_before_the_answer_does_not_kill_the_engine(engine, offline):
+    """abort() waits for the step loop's answer in its caller's event loop; a loop closed meanwhile (its caller gone)
+    has nobody to answer, and the step loop goes on serving."""
+    loop = asyncio.new_event_loop()
+    done = loop.create_future()
+    loop.close()
+    engine._send("abort", "nobody", loop, done)  # as abort() sends it, from a loop that then closed
+    params = SamplingParams(temperature=0, max_tokens=4)
+    outs = asyncio.run(collect(engine, "still here", params))
+    assert outs[-1].outputs[0].text == offline.generate(["still here"], params)[0].outputs[0].text
+    assert engine.is_running and not engine.errored

@@ -52,6 +52,8 @@ def test_bad_prompts(step):
         llm.generate([], sp)
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 49152\)"):
         llm.generate([[1, 2, 49152]], sp)
+    with pytest.raises(ValueError, match="token id True: expected an int, got bool"):
+        llm.generate([[1, True]], sp)
     with pytest.raises(ValueError, match=r"prompt \(2000 tokens\) \+ max_tokens \(100\) = 2100 exceeds the model's context of 2048"):
         llm.generate([[7] * 2000], SamplingParams(temperature=0, max_tokens=100))
     with pytest.raises(ValueError, match="sampling_params: got 2 for 1 prompts"):

@@ -47,6 +47,9 @@ def show_lesson(llm, args) -> None:
     size = split_size(config, llm.device)
     if smallest_split(config) is not None:
         show_split(config, size or smallest_split(config), llm)
+    demo_size = llm.tp.size
+    if demo_size > 1:  # a process holds one tensor-parallel group (torch.distributed's): the comparison needs it
+        llm.shutdown()
     if size is None:
         print(f"\nOnly tp=1 runs here: {args.model} does not split" if smallest_split(config) is None else
               f"\nThis machine has {torch.cuda.device_count()} GPU(s) and tensor parallelism needs one GPU per rank, so "
@@ -54,7 +57,16 @@ def show_lesson(llm, args) -> None:
         compare_sizes(args, [1])
     else:
         compare_sizes(args, [1, size])
+    if demo_size > 1:  # the group is free again: the demo's engine comes back for the comparison with step21
+        llm = demo_engine(args, demo_size)
     before_after("step21", "step22", llm, args, attention_backend=llm.model.attention_backend.name)
+    llm.shutdown()
+
+
+def demo_engine(args, tensor_parallel_size: int):
+    """The demo's engine as main() builds it (with --tensor-parallel-size, started again after the comparison)."""
+    return LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+               enforce_eager=args.enforce_eager, tensor_parallel_size=tensor_parallel_size, **demo_options(args))
 
 
 def smallest_split(config) -> int | None:

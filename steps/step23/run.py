@@ -21,7 +21,8 @@ from shared import SamplingParams
 from shared.anatomy import QUESTIONS, anatomy_arg_parser, before_after, compared_options, demo_options
 from shared.cli import answer_question, format_table, print_header, user_errors
 
-from .engine import LLM, AsyncLLM
+from .async_llm import AsyncLLM
+from .engine import LLM
 
 
 def main() -> None:

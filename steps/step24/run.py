@@ -15,7 +15,6 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import time
 
@@ -25,6 +24,7 @@ from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .bench_serve import bench, random_prompts
 from .engine import LLM
+from .parallel import free_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,12 +39,6 @@ def main() -> None:
         print_header("step24: an OpenAI-compatible server", llm)
         answer_question(llm, args)
         show_lesson(llm, args)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: str, port: int, *options: str) -> subprocess.Popen:

@@ -72,13 +72,14 @@ class Sequence:
 
     def partial_output(self) -> RequestOutput:
         """step23: the request so far, while it goes on (finished=False): its tokens, and its text minus the last
-        (longest stop string - 1) characters, which a stop string completed later could still cut. So every partial
-        text is the start of the final one, and a stream's texts only grow. Its output ids and logprobs are copies
-        (what the request had then); its prompt ids are not copied each step but shared: all of a request's partial
-        outputs hold the sequence's own prompt_ids list, which nothing changes after the request is made."""
+        (longest stop string - 1) characters, which a stop string completed later could still cut; a text shorter
+        than that shows nothing yet. So every partial text is the start of the final one, and a stream's texts only
+        grow. Its output ids and logprobs are copies (what the request had then); its prompt ids are not copied each
+        step but shared: all of a request's partial outputs hold the sequence's own prompt_ids list, which nothing
+        changes after the request is made."""
         hold = max(map(len, self.params.stop), default=1) - 1 if self.params.stop else 0
         text = self.detokenizer.text
-        completion = CompletionOutput(0, text[:len(text) - hold] if hold else text, list(self.output_ids),
+        completion = CompletionOutput(0, text[:max(0, len(text) - hold)], list(self.output_ids),
                                       self.cumulative_logprob, list(self.logprobs) if self.logprobs is not None else None,
                                       None)
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [completion], False, self.metrics)

@@ -4,21 +4,24 @@
 
 Endpoints (OpenAI's API, as vLLM serves it):
 
-    GET  /health                 200 while the engine runs
+    GET  /health                 200 while the engine runs, 503 once it has stopped (shut down, or dead)
     GET  /v1/models              the one model served
     POST /v1/completions         a prompt (text or token ids) -> text; "stream": true for server-sent events
     POST /v1/chat/completions    messages -> the assistant's reply (the model's chat template); streams the same way
     GET  /stats                  this server's own: requests running and waiting, free KV blocks, steps
 
 A request's fields: model, prompt / messages, max_tokens (max_completion_tokens), temperature, top_p, top_k, min_p,
-stop, seed, n (1), logprobs (and top_logprobs for chat), ignore_eos, stream, stream_options.include_usage. Fields
-this server does not know are ignored, as vLLM ignores them, and named in the response's `x-ignored-fields` header;
-fields it knows but does not implement (n > 1, echo, best_of, a penalty, logit_bias, ...) are refused with 400
-rather than silently misread.
+stop, seed, n (1), logprobs (and top_logprobs for chat), ignore_eos, stream, stream_options.include_usage. Without
+max_tokens a completion makes 16 tokens (OpenAI's default) and a chat reply may run to the end of the context
+(vLLM's), or of the KV pool where that is smaller. Fields this server does not know are ignored, as vLLM ignores
+them, and named in the response's `x-ignored-fields` header; fields it knows but does not implement (n > 1, echo,
+best_of, a penalty, logit_bias, ...) are refused with 400 rather than silently misread.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON, an invalid
 value (the engine's own ValueError text) or a prompt beyond the context; 404 for another model; 401 without the key
-when --api-key is set. A client that goes away mid-request aborts it: its KV blocks are free at once.
+when --api-key is set; 500 when the engine step serving the request failed; 503 once the engine is dead (its step
+loop stopped on an error: every request then gets 503, and /health too, so that a supervisor restarts the server). A
+client that goes away mid-request aborts it: its KV blocks are free at once.
 
 Streaming is server-sent events (SSE): each chunk is a line `data: {json}` and a blank line, the text in each
 chunk is what is new since the one before (the engine's cumulative text, differenced), and the stream ends with
@@ -42,12 +45,13 @@ import uuid
 
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from shared import SamplingParams, check_conversations
+from shared import ContextLengthExceededError, SamplingParams, check_messages
 
-from .engine import AsyncLLM, EngineShutDown, EngineStepError
+from .async_llm import AsyncLLM, EngineDeadError, EngineShutDown, EngineStepError
+from .model import KV_CACHE_DTYPES
 
 # OpenAI fields this server reads (each checked) or knows to be harmless (user: an end-user id, for their logs).
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -89,15 +93,18 @@ def parse_body(raw: bytes) -> tuple[dict, list[str]]:
     return body, ignored
 
 
-def sampling_params(body: dict, chat: bool) -> SamplingParams:
+def sampling_params(body: dict, chat: bool, room: int) -> SamplingParams:
     """The request's sampling fields -> SamplingParams (OpenAI's defaults: temperature 1, 16 tokens for a completion;
-    a chat reply may run to the end of the context, as vLLM's does). ValueError names a bad value."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
+    a chat reply may run to the end of the context, as vLLM's does: `room` tokens, what its prompt leaves). A
+    temperature above 2, outside OpenAI's range, is an APIError naming it; ValueError names any other bad value."""
     if chat:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = room if max_tokens is None else max_tokens
         logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
         if body.get("logprobs") not in (None, True, False):
             raise ValueError(f"logprobs must be true or false for a chat completion, got {body['logprobs']!r}")
     else:
+        max_tokens = body.get("max_tokens", 16)
         logprobs = body.get("logprobs")
     options = dict(temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
                    top_k=body.get("top_k", -1), min_p=body.get("min_p", 0.0), stop=body.get("stop"),
@@ -105,6 +112,9 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
     for name in ("temperature", "top_p", "top_k", "min_p", "ignore_eos"):
         if options[name] is None:  # JSON null: the default
             options.pop(name)
+    temperature = options.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 2:
+        raise APIError(400, f"temperature must be in [0, 2] (OpenAI's range), got {temperature!r}", param="temperature")
     return SamplingParams(**options, **({"max_tokens": max_tokens} if max_tokens is not None else {}))
 
 
@@ -115,29 +125,34 @@ class Server:
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.created = int(time.time())
 
-    def check(self, headers, body: dict | None = None) -> None:
+    def check_key(self, headers) -> None:
         if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
             raise APIError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
-        if body is not None:
-            model = body.get("model")
-            if model is None:
-                raise APIError(400, "model is required", param="model")
-            if model != self.model_name:
-                raise APIError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
-                               param="model", code="model_not_found")
+
+    def check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is None:
+            raise APIError(400, "model is required", param="model")
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "llm-steps", "max_model_len": self.engine.llm.max_model_len}]}
 
     def stats(self) -> dict:
+        # the engine's state as its step thread copied it between two steps: this thread never reads the live LLM
+        return {**self.engine.snapshot(), "process_cpu_s": time.process_time()}  # the whole process's CPU time so far
+
+    def room(self, prompt_len: int) -> int:
+        """The tokens a reply may take after a prompt of prompt_len tokens: the rest of the model's context, or of the
+        KV pool where that is smaller (a request must fit in it alone). At least 1: a prompt that fills the context
+        gets the engine's own error."""
         llm = self.engine.llm
-        return {"running": len(llm.scheduler.running), "waiting": len(llm.scheduler.waiting),
-                "free_blocks": llm.block_manager.num_free_blocks, "num_blocks": llm.block_manager.num_blocks,
-                "streams": len(self.engine._streams), **self.engine.stats,
-                "phase_s": dict(llm.timers.seconds),  # the engine's time by phase so far (timers.py), in seconds
-                "process_cpu_s": time.process_time()}  # the CPU time of the whole server process so far
+        pool = llm.block_manager.num_blocks * llm.block_manager.block_size
+        return max(1, min(llm.max_model_len, pool) - prompt_len)
 
     def prompt(self, body: dict, chat: bool):
         """The prompt the engine runs: text or token ids (a completion), the chat template's ids (a chat)."""
@@ -146,31 +161,37 @@ class Server:
             if "messages" not in body:
                 raise APIError(400, "messages is required", param="messages")
             try:
-                (conversation,) = check_conversations(body["messages"])
-                messages = [{"role": m["role"], "content": m["content"]} for m in conversation]
-                if not all(isinstance(m["content"], str) for m in messages):
-                    raise ValueError("messages: each content must be a string")
-                return tokenizer.apply_chat_template(messages)
-            except ValueError as e:
+                messages = check_messages(body["messages"], "messages")
+                return tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
+            except ValueError as e:  # a bad message, or a model without a chat template
                 raise APIError(400, str(e), param="messages") from None
         if "prompt" not in body:
             raise APIError(400, "prompt is required", param="prompt")
         prompt = body["prompt"]
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if not isinstance(prompt, (str, list)):  # a bare number is no prompt (the engine would read it as [id])
+            raise APIError(400, f"prompt must be a string or a list of token ids, got {type(prompt).__name__} "
+                                f"({prompt!r:.40})", param="prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise APIError(400, f"this server takes one prompt per request, got {len(prompt)}", param="prompt")
         return prompt
 
     # ---- one completion ---------------------------------------------------------------------------------
+    def check_running(self) -> None:
+        if not self.engine.is_running:
+            why = str(self.engine.dead_error) if self.engine.errored else "the engine is shut down"
+            raise APIError(503, why, kind="server_error")
+
     def start(self, body: dict, chat: bool):
         """Check everything, then submit: -> (request id, its output stream, the prompt's token count)."""
+        self.check_running()
         prompt = self.prompt(body, chat)
         try:
-            params = sampling_params(body, chat)
+            params = sampling_params(body, chat, self.room(len(prompt)) if chat else 0)
             text, ids, sp = self.engine.llm.check_request(prompt, params)
-        except (ValueError, TypeError) as e:
-            code = "context_length_exceeded" if "exceeds" in str(e) else None
+        except (ValueError, TypeError) as e:  # the engine's error type says which code it is
+            code = "context_length_exceeded" if isinstance(e, ContextLengthExceededError) else None
             raise APIError(400, str(e), code=code) from None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return request_id, self.engine.generate(ids, sp, request_id), len(ids), sp
@@ -261,7 +282,7 @@ class Server:
                 n = len(out.outputs[0].token_ids)
                 yield chunk(None, {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                                    "total_tokens": prompt_tokens + n})
-        except (EngineStepError, EngineShutDown) as e:  # the headers are sent: the error travels as an event
+        except (EngineStepError, EngineShutDown, EngineDeadError) as e:  # the headers are sent: an error event
             yield f"data: {json.dumps(APIError(500, str(e), kind='server_error').body())}\n\n"
         finally:
             await stream.aclose()  # a client gone mid-stream: generate()'s finally aborts the request
@@ -280,51 +301,56 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
     app = FastAPI(title="llm-steps step24", lifespan=lifespan)
     app.state.server = server
 
-    def error(e: APIError) -> JSONResponse:
+    # Every handler raises its errors; these turn them into OpenAI's shape, in one place.
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(EngineStepError)
+    @app.exception_handler(EngineShutDown)
+    @app.exception_handler(EngineDeadError)
+    async def engine_error(request: Request, e: Exception):  # the engine failed while it served the request
+        status = 503 if isinstance(e, EngineDeadError) else 500  # dead: so is every request after this one
+        return JSONResponse(APIError(status, str(e), kind="server_error").body(), status_code=status)
+
+    async def require_key(request: Request) -> None:  # a dependency of every /v1 endpoint
+        server.check_key(request.headers)
+
+    v1 = [Depends(require_key)]
 
     @app.get("/health")
     async def health():
+        server.check_running()  # 503 once the engine's step loop is gone
         return JSONResponse({"status": "ok"})
 
     @app.get("/stats")
     async def stats():
         return JSONResponse(server.stats())
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        try:
-            server.check(request.headers)
-        except APIError as e:
-            return error(e)
+    @app.get("/v1/models", dependencies=v1)
+    async def models():
         return JSONResponse(server.models())
 
     async def completion(request: Request, chat: bool):
-        try:
-            body, ignored = parse_body(await request.body())
-            server.check(request.headers, body)
-            request_id, stream, prompt_tokens, sp = server.start(body, chat)
-        except APIError as e:
-            return error(e)
+        body, ignored = parse_body(await request.body())
+        server.check_model(body)
+        request_id, stream, prompt_tokens, sp = server.start(body, chat)
         headers = {"x-ignored-fields": ",".join(ignored)} if ignored else {}
         if body.get("stream"):
             options = body.get("stream_options") or {}
             return StreamingResponse(server.sse(request_id, stream, prompt_tokens, sp, chat,
                                                 bool(options.get("include_usage"))),
                                      media_type="text/event-stream", headers=headers)
-        try:
-            out = await server.complete(stream, request.is_disconnected)
-        except (EngineStepError, EngineShutDown) as e:
-            return error(APIError(500, str(e), kind="server_error"))
+        out = await server.complete(stream, request.is_disconnected)
         if out is None or out.outputs[0].finish_reason == "abort":  # the client went away: nobody reads this
-            return error(APIError(499, "the client closed the request", kind="client_closed"))
+            raise APIError(499, "the client closed the request", kind="client_closed")
         return JSONResponse(server.response(request_id, out, prompt_tokens, sp, chat), headers=headers)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request):
         return await completion(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request):
         return await completion(request, chat=True)
 
@@ -339,7 +365,7 @@ def engine_arg_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests in one step (default: %(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-kv-tokens", type=int, default=None, help="the KV pool (default: the engine's)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
