@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 # Tolerances, justified by measurement (see docs/reference/testing.md):
 # - step01 vs HF transformers, fp32 logits: same math, different op order. Measured max |diff| 5.8e-5
 #   on smollm2-135m over a 45-token sequence; the bound leaves ~10x headroom.
@@ -50,6 +52,23 @@ def load_engine(step: str):
 def step_module(step: str, name: str):
     """steps/<step>/<name>.py (name may be dotted: "kernels.decode")."""
     return importlib.import_module(f"steps.{step}.{name}")
+
+
+def copies_param(group: list[str], *values, id: str = ""):
+    """A pytest.param for a test of step modules that the steps of `group` (one group of registry.distinct_copies)
+    hold byte for byte: the test runs on the group's first step, its id names every step of the group
+    ("step20+step21+step22-..."), and the mark `copies` carries them (conftest.py: the group is part of make
+    test-fast when it holds one of the newest steps)."""
+    steps = "+".join(group)
+    return pytest.param(group[0], *values, id=f"{steps}-{id}" if id else steps, marks=pytest.mark.copies(*group))
+
+
+def copies_params(steps: list[str], *modules: str) -> list:
+    """One copies_param per distinct content of `modules` among `steps` (registry.distinct_copies): the values of
+    a test's `step` parameter for a test that exercises nothing of a step but those modules."""
+    from registry import distinct_copies
+
+    return [copies_param(group) for group in distinct_copies(steps, *modules)]
 
 
 # ---- the golden outputs: step01's greedy answers to the harness prompts -------------------------------------
@@ -113,3 +132,4 @@ def compare_completions(a, b, logprob_atol: float, exact: bool = True, label: st
         worst = max(worst, abs(la - lb))
     assert worst <= logprob_atol, f"{label}: logprob differs by {worst:.2e} > {logprob_atol:.0e}"
     return worst
+

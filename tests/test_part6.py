@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shared import SamplingParams
-from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
+from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, copies_param, copies_params, load_engine
 from registry import STEPS, having, introducing, lesson_and_copies
 
 pytest.importorskip("triton")
@@ -53,12 +53,16 @@ CACHED = [0, 3, 20, 70, 0]
 
 
 def prefill_kernel_cases():
-    """Each step's own copy of the prefill kernel: the full grid (block sizes 16 and 64, GQA ratios 1, 3 and 8,
-    head dims 64 and 128) where it is introduced, two corners of it in every later step."""
+    """Each distinct copy of the prefill kernel (steps whose kernels/attention.py is the same file run it once,
+    registry.distinct_copies): the full grid (block sizes 16 and 64, GQA ratios 1, 3 and 8, head dims 64 and 128)
+    where it is introduced, two corners of it in every later copy that differs."""
     full = [(b, h, kv, d) for b in (16, 64) for h, kv in ((4, 4), (6, 2), (8, 1)) for d in (64, 128)]
-    return [pytest.param(step, *c, id=f"{step}-bs{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}")
-            for step, lesson in lesson_and_copies("triton_prefill")
+    return [copies_param(group, *c, id=f"bs{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}")
+            for group, lesson in lesson_and_copies("triton_prefill", "kernels.attention")
             for c in (full if lesson else [(16, 6, 2, 64), (64, 8, 1, 128)])]
+
+
+PREFILL_COPIES = copies_params(having("triton_prefill"), "kernels.attention")
 
 
 @pytest.mark.parametrize("step,block_size,heads,kv_heads,head_dim", prefill_kernel_cases())
@@ -73,7 +77,7 @@ def test_flash_attention_equals_reference(step, block_size, heads, kv_heads, hea
 
 
 @pytest.mark.parametrize("tiles", [dict(), dict(block_m=32, block_n=16)])
-@pytest.mark.parametrize("step", having("triton_prefill"))
+@pytest.mark.parametrize("step", PREFILL_COPIES)
 def test_flash_attention_fp16(step, tiles):
     mod = kernels(step)
     q, k, v, tables, cu, lens = make_case([3, 1, 20, 64], [10, 30, 0, 5], 16, 8, 2, 64, torch.float16, seed=3)
@@ -82,7 +86,7 @@ def test_flash_attention_fp16(step, tiles):
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("step", having("triton_prefill"))
+@pytest.mark.parametrize("step", PREFILL_COPIES)
 def test_flash_attention_refuses_bad_input(step):
     mod = kernels(step)
     q, k, v, tables, cu, lens = make_case([2], [0], 16, 4, 4, 64, torch.float32)
@@ -174,7 +178,7 @@ SHAPES = {"smollm2-135m": (9, 3, 64), "qwen3-0.6b": (16, 8, 128)}  # (query head
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("step", having("triton_prefill"))
+@pytest.mark.parametrize("step", PREFILL_COPIES)
 def test_flash_attention_compiled_bf16(step, shape, block_size):
     mod = kernels(step)
     heads, kv_heads, head_dim = SHAPES[shape]

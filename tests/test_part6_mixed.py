@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared import SamplingParams
-from helpers import compare_completions, STEP_LOGPROB_ATOL_FP32, load_engine, scheduled_work
+from helpers import compare_completions, copies_param, STEP_LOGPROB_ATOL_FP32, load_engine, scheduled_work
 from registry import introducing, last_before, lesson_and_copies
 from test_part6 import DEVICE, kernels, make_case, mixed_requests
 
@@ -24,10 +24,11 @@ CACHED = [70, 3, 0, 20, 15, 0, 64]
 
 def mixed_cases():
     """The full grid (block sizes 16 and 64, GQA ratios 1, 3 and 8, head dims 64 and 128) where the kernel is
-    introduced, two corners in every later copy."""
+    introduced, two corners in every later copy of kernels/attention.py that differs (steps with the same file run
+    it once, registry.distinct_copies)."""
     full = [(b, h, kv, d) for b in (16, 64) for h, kv in ((4, 4), (6, 2), (8, 1)) for d in (64, 128)]
-    return [pytest.param(step, *c, id=f"{step}-bs{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}")
-            for step, lesson in lesson_and_copies("mixed_batch_kernel")
+    return [copies_param(group, *c, id=f"bs{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}")
+            for group, lesson in lesson_and_copies("mixed_batch_kernel", "kernels.attention")
             for c in (full if lesson else [full[0], full[-1]])]
 
 
