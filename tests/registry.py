@@ -31,12 +31,16 @@ The features (the step that brings each one in is where its lesson is tested in 
     lru_eviction        release()/append(), cached blocks evicted least recently used first
     flat_varlen_batch   one model forward per engine step, chunks and decodes in one flat batch
     triton_prefill      kernels/attention.py: flash attention over the paged cache (Triton)
-    triton_decode       kernels/decode.py: paged decode kernels v1 and v2 (Triton)
+    triton_decode       kernels/decode.py: paged decode kernels v1 and v2 (Triton); step17 keeps v2 beside flash
+                        decoding, step18 removes it (the mixed kernel takes every decode that does not split)
     flash_decoding      kernels/decode.py: split-K decode (split + merge kernels), choose_num_splits
     mixed_batch_kernel  kernels/attention.py: one attention launch per layer for decodes and chunks, no phases
     fused_kernels       kernels/fused.py: residual add + RMSNorm, SiLU * up, q/k norm + RoPE (Triton)
     int8_kv             kv_cache_dtype="int8": K/V stored as int8 with a scale per token and KV head
     cuda_graphs         cuda_graphs.py: the decode forward captured per batch bucket and replayed; enforce_eager
+    tensor_parallel     tensor_parallel_size: the model sharded over N ranks (parallel.py), all-reduces per layer
+    async_engine        engine.py's AsyncLLM: async generate() streams cumulative outputs, abort(request_id)
+    openai_server       serve.py: the OpenAI API (completions, chat completions, streaming) over HTTP
 """
 from __future__ import annotations
 
@@ -102,7 +106,7 @@ step("step14_7", 5, adds=("flat_varlen_batch",))
 step("step15", 6, adds=("triton_prefill",))
 step("step16", 6, adds=("triton_decode",))
 step("step17", 6, adds=("flash_decoding",))
-step("step18", 6, adds=("mixed_batch_kernel",), removes=("triton_prefill",))
+step("step18", 6, adds=("mixed_batch_kernel",), removes=("triton_prefill", "triton_decode"))
 step("step19", 6, adds=("fused_kernels",))
 step("step20", 6, adds=("int8_kv",))
 step("step21", 7, adds=("cuda_graphs",))

@@ -176,14 +176,15 @@ def _split_cases():
 
 @pytest.mark.parametrize("step,block_size,num_heads,kv_heads,num_splits", _split_cases())
 def test_flash_decode_matches_reference_and_v2(step, block_size, num_heads, kv_heads, num_splits):
-    """The step's flash decoding equals its reference and its own v2 (the kernel it falls back to), and the
-    v2 where v2 is introduced."""
+    """The step's flash decoding equals its reference, its own v2 where the step still has one (step17: the kernel
+    it falls back to for one part), and the v2 where v2 is introduced."""
     kernels = decode_kernels(step)
     case = make_case(block_size, num_heads, kv_heads, 64, torch.float32)
     out = kernels.flash_decode(**case, num_splits=num_splits, block_n=BLOCK_N)
     assert out.dtype == torch.float32 and out.is_contiguous() and not out.isnan().any()
     torch.testing.assert_close(out, kernels.decode_reference(**case), **TOL[torch.float32])
-    torch.testing.assert_close(out, kernels.paged_decode_v2(**case, block_n=BLOCK_N), **TOL[torch.float32])
+    if has(step, "triton_decode"):
+        torch.testing.assert_close(out, kernels.paged_decode_v2(**case, block_n=BLOCK_N), **TOL[torch.float32])
     torch.testing.assert_close(out, paged_decode_v2(**case, block_n=BLOCK_N), **TOL[torch.float32])
 
 
@@ -280,7 +281,8 @@ def test_decode_kernels_compiled_bf16(step, block_size, num_heads, kv_heads, hea
     case = make_case(block_size, num_heads, kv_heads, head_dim, torch.bfloat16)
     expected = kernels.decode_reference(**case).float()
     versions = [("v1", kernels.paged_decode_v1)] if hasattr(kernels, "paged_decode_v1") else []
-    versions.append(("v2", kernels.paged_decode_v2))
+    if hasattr(kernels, "paged_decode_v2"):
+        versions.append(("v2", kernels.paged_decode_v2))
     if hasattr(kernels, "flash_decode"):
         versions += [(f"flash {n}", lambda n=n, **c: kernels.flash_decode(**c, num_splits=n)) for n in (1, 2, 3, 8, 64)]
     for name, kernel in versions:
