@@ -2,8 +2,9 @@
 bucket, padding rows write to a scratch block; `enforce_eager` turns graphs off; a CPU runs eagerly.
 
 On the CPU: the buckets and the padding, unit by unit; the eager engine against step20 (the same tokens, the same
-draws for seeded sampling); and the static-buffer runner itself, which run() drives eagerly where no graph can be
-captured: the same fill-and-forward code a graph records, padded batches included, against the plain engine.
+draws for seeded sampling); and the static-buffer runner itself, which the engine drives through prepare() and
+launch() eagerly where no graph can be captured: the same fill-and-forward code a graph records, padded batches
+included, against the plain engine.
 On the GPU (marked gpu): replayed graphs against the same padded forward run eagerly (bit for bit), against
 enforce_eager=True (the vLLM rule: padding changes the matmuls' shapes), one wait for the GPU per step.
 """
