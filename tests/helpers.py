@@ -133,3 +133,31 @@ def compare_completions(a, b, logprob_atol: float, exact: bool = True, label: st
     assert worst <= logprob_atol, f"{label}: logprob differs by {worst:.2e} > {logprob_atol:.0e}"
     return worst
 
+
+class TritonLaunches:
+    """Counts, while active, every Triton kernel launch, compiled or in the interpreter, where Triton's runtime runs
+    it (JITFunction.run, InterpretedFunction.run), by kernel: by_kernel["steps.step18.kernels.attention.
+    _mixed_attention_kernel"] = n. It sees every launch a wrapper makes inside itself, which a counter kept by the
+    wrapper's caller does not. A launch Triton only compiles (warmup=True) is not counted."""
+
+    def __enter__(self):
+        import collections
+
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        self.by_kernel, self._patched = collections.Counter(), []
+        for cls in (InterpretedFunction, JITFunction):
+            def run(fn_self, *args, _original=cls.run, **kwargs):
+                if not kwargs.get("warmup"):
+                    self.by_kernel[f"{fn_self.fn.__module__}.{fn_self.fn.__name__}"] += 1
+                return _original(fn_self, *args, **kwargs)
+
+            self._patched.append((cls, cls.run))
+            cls.run = run
+        return self
+
+    def __exit__(self, *exc):
+        for cls, original in self._patched:
+            cls.run = original
+        return False
