@@ -24,9 +24,16 @@ from registry import STEPS  # noqa: E402  (tests/registry.py)
 from registry import CHAT_PROMPTS, EQUIV_MAX_TOKENS, TEXT_PROMPTS  # noqa: E402,F401
 
 # `make test-fast` (pytest -m "not slow") tests every step-independent thing and the newest steps fully;
-# `make test` tests every step. A test that takes a step is marked slow unless its step is one of these, so
-# the quick run stays the same size however many steps there are.
+# `make test` tests every step. A test that takes a step is marked slow unless its step, or one of the steps it
+# stands for (helpers.copies_param), is one of these, so the quick run stays the same size however many steps
+# there are.
 FAST_STEPS = 2
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "copies(*steps): the test runs on the first of these steps and stands for "
+                                       "all of them: they hold the files it exercises byte for byte "
+                                       "(helpers.copies_param)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
@@ -35,7 +42,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         step = getattr(item, "callspec", None) and item.callspec.params.get("step")
         if step is not None:
-            if step not in newest:
+            copies = item.get_closest_marker("copies")  # a test run once for steps of the same content
+            if newest.isdisjoint(copies.args if copies else [step]):
                 item.add_marker(pytest.mark.slow)
             # --dist loadgroup: a step's tests run on one worker, which then builds that step's engines once.
             item.add_marker(pytest.mark.xdist_group(step))

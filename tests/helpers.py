@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 # Tolerances, justified by measurement (see docs/reference/testing.md):
 # - step01 vs HF transformers, fp32 logits: same math, different op order. Measured max |diff| 5.8e-5
 #   on smollm2-135m over a 45-token sequence; the bound leaves ~10x headroom.
@@ -50,6 +52,23 @@ def load_engine(step: str):
 def step_module(step: str, name: str):
     """steps/<step>/<name>.py (name may be dotted: "kernels.decode")."""
     return importlib.import_module(f"steps.{step}.{name}")
+
+
+def copies_param(group: list[str], *values, id: str = ""):
+    """A pytest.param for a test of step modules that the steps of `group` (one group of registry.distinct_copies)
+    hold byte for byte: the test runs on the group's first step, its id names every step of the group
+    ("step20+step21+step22-..."), and the mark `copies` carries them (conftest.py: the group is part of make
+    test-fast when it holds one of the newest steps)."""
+    steps = "+".join(group)
+    return pytest.param(group[0], *values, id=f"{steps}-{id}" if id else steps, marks=pytest.mark.copies(*group))
+
+
+def copies_params(steps: list[str], *modules: str) -> list:
+    """One copies_param per distinct content of `modules` among `steps` (registry.distinct_copies): the values of
+    a test's `step` parameter for a test that exercises nothing of a step but those modules."""
+    from registry import distinct_copies
+
+    return [copies_param(group) for group in distinct_copies(steps, *modules)]
 
 
 # ---- the golden outputs: step01's greedy answers to the harness prompts -------------------------------------
@@ -126,3 +145,31 @@ def stop_longer_than_the_first_text(tokenizer, tokens):
     assert len(pieces[k]) < len(stop) - 1  # the text so far is shorter than the hold-back
     return stop
 
+
+class TritonLaunches:
+    """Counts, while active, every Triton kernel launch, compiled or in the interpreter, where Triton's runtime runs
+    it (JITFunction.run, InterpretedFunction.run), by kernel: by_kernel["steps.step18.kernels.attention.
+    _mixed_attention_kernel"] = n. It sees every launch a wrapper makes inside itself, which a counter kept by the
+    wrapper's caller does not. A launch Triton only compiles (warmup=True) is not counted."""
+
+    def __enter__(self):
+        import collections
+
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        self.by_kernel, self._patched = collections.Counter(), []
+        for cls in (InterpretedFunction, JITFunction):
+            def run(fn_self, *args, _original=cls.run, **kwargs):
+                if not kwargs.get("warmup"):
+                    self.by_kernel[f"{fn_self.fn.__module__}.{fn_self.fn.__name__}"] += 1
+                return _original(fn_self, *args, **kwargs)
+
+            self._patched.append((cls, cls.run))
+            cls.run = run
+        return self
+
+    def __exit__(self, *exc):
+        for cls, original in self._patched:
+            cls.run = original
+        return False

@@ -273,6 +273,33 @@ MUTATIONS = [
         "                while False:",
         ("tests/test_part8_stream.py::test_a_caller_that_falls_behind_gets_the_newest_output",)),
     Mutation(
+        "step18-mixed-launches-twice", "step18's mixed_attention launches its kernel twice (the same output)",
+        "steps/step18/kernels/attention.py",
+        "    _mixed_attention_kernel[(len(tile_seq), kv_heads)](",
+        "    for _twice in range(2): _mixed_attention_kernel[(len(tile_seq), kv_heads)](",
+        ("tests/test_part6_mixed.py::test_mixed_engine_equals_step17_with_one_launch_per_layer[random:tiny-llama-512]",)),
+    Mutation(
+        "step21-fill-copies-three-times", "step21's fill copies the context lengths and the block tables apart",
+        "steps/step21/cuda_graphs.py",
+        "        self.ints[:used].copy_(self.host_ints[:used], non_blocking=True)\n",
+        "        self.ints[:self.max_seqs].copy_(self.host_ints[:self.max_seqs], non_blocking=True)\n"
+        "        self.ints[self.max_seqs:used].copy_(self.host_ints[self.max_seqs:used], non_blocking=True)\n",
+        ("tests/test_part7_graphs.py::test_fill_writes_the_rows_and_pads_to_the_scratch_block",)),
+    Mutation(
+        "step22-copy-mixed-no-causal", "step22's copy of the mixed kernel (otherwise step20's file) drops the causal mask "
+        "within a row: the changed copy gets a run of its own",
+        "steps/step22/kernels/attention.py",
+        "query_pos = ctx - q_len + token  # each row's position in its sequence: causal within the chunk",
+        "query_pos = ctx - 1 + token * 0  # each row's position in its sequence: causal within the chunk",
+        ("tests/test_part6_mixed.py::test_mixed_kernel_equals_reference",)),
+    Mutation(
+        "step13-copy-top-k-off", "step13's copy of the sampler (otherwise step12's file) never cuts top-k: the changed "
+        "copy gets a run of its own",
+        "steps/step13/sampler.py",
+        "    cut = k < vocab  # [..., 1]: the rows that ask for a cut\n",
+        "    cut = k < 0  # [..., 1]: the rows that ask for a cut\n",
+        ("tests/test_sampling.py::test_top_k_mask_is_exact",)),
+    Mutation(
         "step24-gone-client-not-aborted", "step24's engine lets a request run on after its caller stopped reading",
         "steps/step24/async_llm.py",
         "            if not finished:  # the caller stopped early (break, cancel, an error): the request must not run on",

@@ -31,7 +31,8 @@ The features (the step that brings each one in is where its lesson is tested in 
     lru_eviction        release()/append(), cached blocks evicted least recently used first
     flat_varlen_batch   one model forward per engine step, chunks and decodes in one flat batch
     triton_prefill      kernels/attention.py: flash attention over the paged cache (Triton)
-    triton_decode       kernels/decode.py: paged decode kernels v1 and v2 (Triton)
+    triton_decode       kernels/decode.py: paged decode kernels v1 and v2 (Triton); step17 keeps v2 beside flash
+                        decoding, step18 removes it (the mixed kernel takes every decode that does not split)
     flash_decoding      kernels/decode.py: split-K decode (split + merge kernels), choose_num_splits
     mixed_batch_kernel  kernels/attention.py: one attention launch per layer for decodes and chunks, no phases
     block_table_rows    model_runner.BlockTables: persistent block-table rows, a step writes only the new blocks
@@ -39,10 +40,16 @@ The features (the step that brings each one in is where its lesson is tested in 
     int8_kv             kv_cache_dtype="int8": K/V stored as int8 with a scale per token and KV head
     cuda_graphs         cuda_graphs.py: the decode forward captured per batch bucket and replayed; enforce_eager
     fused_sampler       kernels/sampling.py: the draw and the chosen tokens' logprobs as one kernel (no filters)
+    tensor_parallel     tensor_parallel_size: the model sharded over N ranks (parallel.py), all-reduces per layer
+    async_engine        engine.py's AsyncLLM: async generate() streams cumulative outputs, abort(request_id)
+    openai_server       serve.py: the OpenAI API (completions, chat completions, streaming) over HTTP
 """
 from __future__ import annotations
 
+import ast
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 # The harness prompts (chat questions and plain text), the length of their greedy answers, and the golden file.
 CHAT_PROMPTS = [
@@ -101,7 +108,7 @@ step("step14_7", 5, adds=("flat_varlen_batch",))
 step("step15", 6, adds=("triton_prefill",))
 step("step16", 6, adds=("triton_decode",))
 step("step17", 6, adds=("flash_decoding",))
-step("step18", 6, adds=("mixed_batch_kernel", "block_table_rows"), removes=("triton_prefill",))
+step("step18", 6, adds=("mixed_batch_kernel", "block_table_rows"), removes=("triton_prefill", "triton_decode"))
 step("step19", 6, adds=("fused_kernels",))
 step("step20", 6, adds=("int8_kv",))
 step("step21", 7, adds=("cuda_graphs", "fused_sampler"))
@@ -164,8 +171,70 @@ def lesson_and_newest(feature: str) -> list[str]:
     return sorted({first, NEWEST} if has(NEWEST, feature) else {first}, key=STEPS.index)
 
 
-def lesson_and_copies(feature: str) -> list[tuple[str, bool]]:
-    """Every step that has `feature`, each with True where the feature is introduced (its full test grid) and
-    False for the later steps, which hold their own copy of the code and get a reduced grid."""
+def lesson_and_copies(feature: str, *modules: str) -> list[tuple[list[str], bool]]:
+    """Every step that has `feature`, grouped by the content of its `modules` (distinct_copies): each group with
+    True where it holds the step that introduces the feature (its full test grid), False for the later groups,
+    whose own copies of the code differ from it and get a reduced grid."""
     first = introducing(feature)
-    return [(s, s == first) for s in having(feature)]
+    return [(group, first in group) for group in distinct_copies(having(feature), *modules)]
+
+
+# ---- tests of a step's modules, once per distinct content --------------------------------------------------------
+# Steps are copies: steps/step21/kernels/decode.py is often byte for byte steps/step20's. A test that exercises
+# only some modules of a step (a kernel against its reference, a sampler's masks) proves the same thing in every
+# step whose files it loads are the same, so it runs once for each distinct content, on the first step that has
+# it, and its id names every step it stands for. A test that builds an engine loads most of the step: it runs in
+# every step.
+STEPS_DIR = Path(__file__).resolve().parents[1] / "steps"
+
+
+def _module_file(step: str, parts: list[str]) -> Path | None:
+    """steps/<step>/<parts>.py, or the package steps/<step>/<parts>/__init__.py; None if neither exists."""
+    folder = STEPS_DIR.joinpath(step, *parts)
+    for path in ([folder.with_suffix(".py")] if parts else []) + [folder / "__init__.py"]:
+        if path.is_file():
+            return path
+    return None
+
+
+def step_files(step: str, *modules: str) -> list[Path]:
+    """The files of steps/<step> that importing its `modules` ("sampler", "kernels.decode") loads: each module, the
+    __init__.py of every package above it, and every module of the step that they import, transitively (each
+    relative import anywhere in a file, one inside a function included)."""
+    files: set[Path] = set()
+    todo = [m.split(".") for m in modules]
+    while todo:
+        parts = todo.pop()
+        path = _module_file(step, parts)
+        if path is None:
+            raise ValueError(f"steps/{step} has no module {'.'.join(parts)!r}")
+        if path in files:
+            continue
+        files.add(path)
+        package = parts if path.name == "__init__.py" else parts[:-1]
+        todo += [package[:i] for i in range(len(package) + 1)]  # the packages it sits in run their __init__.py
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:  # `from .x import y`, `from . import x`
+                target = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+                todo.append(target)
+                todo += [target + [a.name] for a in node.names if _module_file(step, target + [a.name])]
+    return sorted(files)
+
+
+def content_key(step: str, *modules: str) -> str:
+    """A hash of the files that `modules` load from steps/<step> (step_files): their paths in the step and their
+    bytes. Two steps with the same key run the same code for those modules."""
+    digest, root = hashlib.sha256(), STEPS_DIR / step
+    for path in step_files(step, *modules):
+        data = path.read_bytes()
+        digest.update(f"{path.relative_to(root)}\0{len(data)}\0".encode() + data)
+    return digest.hexdigest()
+
+
+def distinct_copies(steps: list[str], *modules: str) -> list[list[str]]:
+    """`steps` grouped by content_key(step, *modules), each group in step order, the groups in the order of their
+    first steps. A test that exercises nothing of a step but `modules` runs on each group's first step only."""
+    groups: dict[str, list[str]] = {}
+    for name in steps:
+        groups.setdefault(content_key(name, *modules), []).append(name)
+    return list(groups.values())

@@ -7,7 +7,12 @@ import sys
 import pytest
 
 from conftest import ROOT
-from registry import STEPS
+from registry import STEPS, has, introducing, last_before
+
+# The engine option (shared/bench.py's ENGINE_OPTIONS) that each feature brings to a step's LLM.
+OPTION_OF_FEATURE = {"scheduler": "max_num_seqs", "chunked_prefill": "max_num_batched_tokens",
+                     "preemption": "max_kv_tokens", "int8_kv": "kv_cache_dtype", "cuda_graphs": "enforce_eager",
+                     "tensor_parallel": "tensor_parallel_size"}
 
 
 def test_nano_vllm_workload_is_nano_vllms_draws():
@@ -33,38 +38,41 @@ def test_nano_vllm_workload_is_nano_vllms_draws():
 
 
 def test_engine_options_are_read_from_each_steps_signature():
-    from shared.bench import step_engine_options
+    """Every step's LLM takes exactly the options of the features it has (tests/registry.py)."""
+    from shared.bench import ENGINE_OPTIONS, step_engine_options
 
-    assert step_engine_options("step01") == set()
-    assert step_engine_options("step05") == {"max_num_seqs"}
-    part6 = {"max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "kv_cache_dtype"}
-    assert step_engine_options("step20") == part6
-    assert step_engine_options("step21") == part6 | {"enforce_eager"}
-    assert step_engine_options("step22") == part6 | {"enforce_eager", "tensor_parallel_size"}
-    assert part6 | {"enforce_eager", "tensor_parallel_size"} <= step_engine_options(STEPS[-1])
+    assert set(OPTION_OF_FEATURE.values()) == set(ENGINE_OPTIONS)
+    for step in STEPS:
+        expected = {option for feature, option in OPTION_OF_FEATURE.items() if has(step, feature)}
+        assert step_engine_options(step) == expected, step
 
 
 def test_an_option_the_step_lacks_is_refused_by_name():
-    proc = subprocess.run([sys.executable, "-m", "shared.bench", "--step", "step03", "--model", "random:tiny-llama",
+    step = last_before("scheduler")  # the last step without seats
+    proc = subprocess.run([sys.executable, "-m", "shared.bench", "--step", step, "--model", "random:tiny-llama",
                            "--max-num-seqs", "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "step03's LLM has no option max_num_seqs" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and f"{step}'s LLM has no option max_num_seqs" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow
 def test_bench_all_steps_runs_alone_calibration_and_lanes(tmp_path):
+    # A step without seats (one request at a time), one with seats and no KV pool option, one with a KV pool (the
+    # calibrated one), and the newest step, which runs alone (the script runs step04 and step14_7 on alone).
+    seatless, seats, pool = introducing("kv_cache"), introducing("scheduler"), introducing("prefix_cache")
+    assert not has(seatless, "scheduler") and not has(seats, "preemption") and has(pool, "preemption")
     out = tmp_path / "all.jsonl"
     proc = subprocess.run([sys.executable, "docs/data/bench_all_steps.py", "--model", "random:tiny-llama",
-                           "--workload", "standard", "--max-tokens", "8", "--steps", "step03", "step05", "step09",
-                           STEPS[-1], "--hf", "generate", "--lanes", "2", "--calibrate", "step09", "--out", str(out)],
+                           "--workload", "standard", "--max-tokens", "8", "--steps", seatless, seats, pool,
+                           STEPS[-1], "--hf", "generate", "--lanes", "2", "--calibrate", pool, "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = [json.loads(line) for line in out.read_text().splitlines()]
     parts = [(r["step"], r["part"]) for r in results]
-    # HF and the newest step first, alone; then step09 alone (the calibration); then the rest two at a time.
-    assert parts[:3] == [("hf", "alone"), (STEPS[-1], "alone"), ("step09", "calibration")]
-    assert sorted(parts[3:]) == [("step03", "lanes"), ("step05", "lanes"), ("step09", "lanes")]
+    # HF and the newest step first, alone; then the pool step alone (the calibration); then the rest two at a time.
+    assert parts[:3] == [("hf", "alone"), (STEPS[-1], "alone"), (pool, "calibration")]
+    assert sorted(parts[3:]) == sorted([(seatless, "lanes"), (seats, "lanes"), (pool, "lanes")])
     by = {(r["step"], r["part"]): r for r in results}
-    assert by[("step05", "lanes")]["options"] == {"max_num_seqs": 64}  # step05 has seats, no KV pool option
-    assert by[("step09", "lanes")]["options"] == {"max_num_seqs": 64, "max_kv_tokens": 32768}
-    assert by[("step03", "lanes")]["options"] == {} and by[("step03", "lanes")]["lanes"] == 2
+    assert by[(seats, "lanes")]["options"] == {"max_num_seqs": 64}  # seats, no KV pool option
+    assert by[(pool, "lanes")]["options"] == {"max_num_seqs": 64, "max_kv_tokens": 32768}
+    assert by[(seatless, "lanes")]["options"] == {} and by[(seatless, "lanes")]["lanes"] == 2
     assert all(r["generated_tokens"] == results[0]["generated_tokens"] for r in results)  # the same work

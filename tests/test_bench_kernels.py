@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT
+from registry import introducing
 
 pytest.importorskip("triton")
 pytest.importorskip("matplotlib")
@@ -19,8 +20,8 @@ pytest.importorskip("matplotlib")
 SCRIPT = ROOT / "docs" / "data" / "bench_kernels.py"
 # The decode kernels: the steps' files once they exist, else the drafts (LLM_KERNEL_DRAFTS, while Part 6 is written).
 DRAFTS = Path(os.environ.get("LLM_KERNEL_DRAFTS", "/work/kernels_scratch"))
-DECODE = [ROOT / "steps" / "step16" / "kernels" / "decode.py", DRAFTS / "decode.py"]
-FLASH = [ROOT / "steps" / "step17" / "kernels" / "decode.py", DRAFTS / "flash_decoding.py"]
+DECODE = [ROOT / "steps" / introducing("triton_decode") / "kernels" / "decode.py", DRAFTS / "decode.py"]
+FLASH = [ROOT / "steps" / introducing("flash_decoding") / "kernels" / "decode.py", DRAFTS / "flash_decoding.py"]
 ROOFLINES = ("roofline-prefill", "roofline-decode", "roofline-flash-decoding")
 
 
@@ -121,7 +122,9 @@ def load_hook(monkeypatch, data_dir: Path, kernels: dict | None):
     return hook
 
 
-PAGE = SimpleNamespace(file=SimpleNamespace(src_uri="steps/step16.md", name="step16"))
+# The chapter where the decode kernels are introduced (any chapter page would do: the hook reads its folder depth).
+PAGE = SimpleNamespace(file=SimpleNamespace(src_uri=f"steps/{introducing('triton_decode')}.md",
+                                            name=introducing("triton_decode")))
 
 
 def test_hook_draws_the_three_rooflines(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import cached_llm
 from shared import SamplingParams
-from helpers import FakeRequest, load_engine
+from helpers import FakeRequest, copies_params, load_engine
 from registry import has, having
 from test_part2 import MAX_TOKENS, PROMPTS, REFERENCE, TINY, assert_same, greedy, reference
 
@@ -75,7 +75,7 @@ def check_invariants(bm, requests):
             assert registered <= r.num_computed_tokens // bm.block_size
 
 
-@pytest.mark.parametrize("step", PAGED)
+@pytest.mark.parametrize("step", copies_params(PAGED, "block_manager"))  # once per distinct block_manager.py
 @settings(max_examples=40, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "grow", "finish", "preempt"]), st.integers(0, 10_000)),
                     max_size=60))

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shared import SamplingParams, resolve_model
-from helpers import HF_LOGITS_ATOL_FP32, load_engine
+from helpers import HF_LOGITS_ATOL_FP32, copies_params, load_engine
 from registry import having, lesson_and_newest, previous
 
 FAMILIES = having("model_families")
@@ -194,11 +194,14 @@ def test_gpu_pool_fits_in_its_share(step):
 # ---- step12: one sampler call per step, incremental detokenizer ----------------------------------
 
 BATCHED = having("batched_sampler")
+# The tests of sampler.py or detokenizer.py alone run once per distinct content of the file; those that generate
+# with an engine run in every step.
+SAMPLER_COPIES, DETOKENIZER_COPIES = copies_params(BATCHED, "sampler"), copies_params(BATCHED, "detokenizer")
 MULTILINGUAL = ["Paris est la capitale de la France — déjà vu.", "分页注意力把缓存切成块。", "Emoji: 🧠📦🚀👩‍👩‍👧",
                 "Mixed: naïve café 東京 🍣 and ümlaut, then ASCII again."]
 
 
-@pytest.mark.parametrize("step", BATCHED)
+@pytest.mark.parametrize("step", DETOKENIZER_COPIES)
 def test_incremental_text_equals_full_decode(step):
     import importlib
 
@@ -282,7 +285,7 @@ def test_seeded_request_is_the_same_alone_or_in_any_batch(step):
         assert outs[position].outputs[0].token_ids == alone, f"seeded request at position {position}"
 
 
-@pytest.mark.parametrize("step", BATCHED)
+@pytest.mark.parametrize("step", SAMPLER_COPIES)
 def test_batched_draws_follow_each_rows_distribution(step):
     """A chi-square test per row, 4000 draws over 5 tokens (4 degrees of freedom). The critical value 23.51
     has a false-alarm rate of 1e-4 per row for a correct sampler; the seeds are fixed, so the test is
@@ -322,7 +325,7 @@ def count_operators(fn):
     return Count.calls
 
 
-@pytest.mark.parametrize("step", BATCHED)
+@pytest.mark.parametrize("step", SAMPLER_COPIES)
 def test_one_sampling_step_costs_the_same_operators_for_8_rows_or_256(step):
     """The draw is one set of operations for every sampled row, not one per row: the sampler runs as many
     operators for 256 rows as for 8, with the filters on, unseeded and seeded rows alike."""

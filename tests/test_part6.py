@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from shared import SamplingParams
-from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine
-from registry import STEPS, having, introducing, lesson_and_copies
+from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, copies_param, copies_params, load_engine
+from registry import STEPS, has, having, introducing, last_before, lesson_and_copies
 
 pytest.importorskip("triton")
 
@@ -53,12 +53,16 @@ CACHED = [0, 3, 20, 70, 0]
 
 
 def prefill_kernel_cases():
-    """Each step's own copy of the prefill kernel: the full grid (block sizes 16 and 64, GQA ratios 1, 3 and 8,
-    head dims 64 and 128) where it is introduced, two corners of it in every later step."""
+    """Each distinct copy of the prefill kernel (steps whose kernels/attention.py is the same file run it once,
+    registry.distinct_copies): the full grid (block sizes 16 and 64, GQA ratios 1, 3 and 8, head dims 64 and 128)
+    where it is introduced, two corners of it in every later copy that differs."""
     full = [(b, h, kv, d) for b in (16, 64) for h, kv in ((4, 4), (6, 2), (8, 1)) for d in (64, 128)]
-    return [pytest.param(step, *c, id=f"{step}-bs{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}")
-            for step, lesson in lesson_and_copies("triton_prefill")
+    return [copies_param(group, *c, id=f"bs{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}")
+            for group, lesson in lesson_and_copies("triton_prefill", "kernels.attention")
             for c in (full if lesson else [(16, 6, 2, 64), (64, 8, 1, 128)])]
+
+
+PREFILL_COPIES = copies_params(having("triton_prefill"), "kernels.attention")
 
 
 @pytest.mark.parametrize("step,block_size,heads,kv_heads,head_dim", prefill_kernel_cases())
@@ -73,7 +77,7 @@ def test_flash_attention_equals_reference(step, block_size, heads, kv_heads, hea
 
 
 @pytest.mark.parametrize("tiles", [dict(), dict(block_m=32, block_n=16)])
-@pytest.mark.parametrize("step", having("triton_prefill"))
+@pytest.mark.parametrize("step", PREFILL_COPIES)
 def test_flash_attention_fp16(step, tiles):
     mod = kernels(step)
     q, k, v, tables, cu, lens = make_case([3, 1, 20, 64], [10, 30, 0, 5], 16, 8, 2, 64, torch.float16, seed=3)
@@ -82,7 +86,7 @@ def test_flash_attention_fp16(step, tiles):
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("step", having("triton_prefill"))
+@pytest.mark.parametrize("step", PREFILL_COPIES)
 def test_flash_attention_refuses_bad_input(step):
     mod = kernels(step)
     q, k, v, tables, cu, lens = make_case([2], [0], 16, 4, 4, 64, torch.float32)
@@ -116,22 +120,24 @@ def mixed_requests(seed=5):
 
 @pytest.mark.parametrize("budget", [1, 7, 512])
 @pytest.mark.parametrize("model", ["random:tiny-llama", "random:tiny-qwen3"])
-@pytest.mark.parametrize("step", ["step15", "step16", "step17"])
+@pytest.mark.parametrize("step", having("triton_prefill"))
 def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
-    """step15: every prefill chunk goes through the kernel, one launch per layer in a step with chunks; only the
-    decodes loop. step16: the decodes too, one launch per layer in a step with decodes; nothing loops. step17:
-    the decodes through flash decoding where the rule splits (lowered to 8 tokens per part so that these short
-    contexts split), step16's kernel where it picks one part."""
+    """The prefill kernel's steps against the step before it (step14_7). step15: every prefill chunk goes through
+    the kernel, one launch per layer in a step with chunks; only the decodes loop. step16 (triton_decode): the
+    decodes too, one launch per layer in a step with decodes; nothing loops. step17 (flash_decoding): the decodes
+    through flash decoding where the rule splits (lowered to 8 tokens per part so that these short contexts
+    split), step16's kernel where it picks one part."""
+    decodes_kernel, splits = has(step, "triton_decode"), has(step, "flash_decoding")
     backends = importlib.import_module(f"steps.{step}.attention")  # where the loop calls grouped_attention
     prefill = counting(monkeypatch, kernels(step), "paged_attention")
-    decode = counting(monkeypatch, kernels(step, "decode"), "paged_decode_v2") if step != "step15" else {"n": 0}
-    split = counting(monkeypatch, kernels(step, "decode"), "flash_decode") if step == "step17" else {"n": 0}
+    decode = counting(monkeypatch, kernels(step, "decode"), "paged_decode_v2") if decodes_kernel else {"n": 0}
+    split = counting(monkeypatch, kernels(step, "decode"), "flash_decode") if splits else {"n": 0}
     looped = counting(monkeypatch, backends, "grouped_attention")
     prompts, params = mixed_requests()
     options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)
-    expected = load_engine("step14_7").LLM(model, **options).generate(prompts, params)
+    expected = load_engine(last_before("triton_prefill")).LLM(model, **options).generate(prompts, params)
     llm = load_engine(step).LLM(model, attention_backend="triton", **options)
-    if step == "step17":
+    if splits:
         llm.model.attention_backend.split_rule["min_tokens_per_split"] = 8
     schedule, decodes, steps_with = llm.scheduler.schedule, 0, {"decodes": 0, "chunks": 0}
 
@@ -149,13 +155,13 @@ def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
         compare_completions(a.outputs[0], b.outputs[0], STEP_LOGPROB_ATOL_FP32)
     layers = llm.model.config.num_layers
     assert prefill["n"] == steps_with["chunks"] * layers > 0, (prefill, steps_with)  # one launch per layer
-    if step == "step15":
+    if not decodes_kernel:
         assert looped["n"] == decodes * layers, (looped, decodes)  # the loop saw decode rows only, never a chunk
     else:
         # one decode launch per layer in a step with decodes (step17: v2 when one part suffices, else split + merge)
         assert decode["n"] + split["n"] == steps_with["decodes"] * layers > 0, (decode, split, steps_with)
         assert looped["n"] == 0, looped  # no sequence attends on its own any more
-    if step == "step17":
+    if splits:
         assert split["n"] > 0 and min(split["splits"]) > 1, split["splits"]  # contexts were really split
 
 
@@ -174,7 +180,7 @@ SHAPES = {"smollm2-135m": (9, 3, 64), "qwen3-0.6b": (16, 8, 128)}  # (query head
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("step", having("triton_prefill"))
+@pytest.mark.parametrize("step", PREFILL_COPIES)
 def test_flash_attention_compiled_bf16(step, shape, block_size):
     mod = kernels(step)
     heads, kv_heads, head_dim = SHAPES[shape]

@@ -1,7 +1,9 @@
 """Part 6, the decode kernels: paged attention (v1, v2; step16) and flash decoding (step17) against their torch
 reference, in Triton's interpreter on a CPU (conftest.py sets TRITON_INTERPRET=1 there), compiled on a GPU (the
 `gpu` tests, bf16 at real model shapes). Each step's tests run that step's own copy of the kernels (the one its
-engine calls): the full grid where a kernel is introduced, a few cases of it in every later step."""
+engine calls), once for each distinct content of the file (steps with the same kernels/decode.py share one run,
+registry.distinct_copies): the full grid where a kernel is introduced, a few cases of it in every later copy that
+differs."""
 import importlib
 import os
 
@@ -9,7 +11,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from registry import having, introducing, lesson_and_copies
+from helpers import copies_param, copies_params
+from registry import STEPS, has, introducing, lesson_and_copies
 
 V1_STEP = introducing("triton_decode")  # v1, the first version; the steps after it call v2 and flash decoding
 SPLIT_STEP = introducing("flash_decoding")
@@ -90,17 +93,17 @@ def test_v1_matches_reference(block_size, num_heads, kv_heads, head_dim, dtype):
     torch.testing.assert_close(out, decode_reference(**case), **TOL[dtype])
 
 
-def _per_step(feature, full, reduced):
-    """(step, *case) for each step with `feature`: the full list of cases where it is introduced, `reduced`
-    (a few of them) in the later steps, which hold their own copy of the kernel."""
-    return [pytest.param(step, *c.values, id=f"{step}-{c.id}") for step, lesson in lesson_and_copies(feature)
+def _per_copy(feature, full, reduced):
+    """(step, *case) for each distinct copy of kernels/decode.py among the steps with `feature`: the full list of
+    cases where it is introduced, `reduced` (a few of them) in each later copy that differs from it."""
+    return [copies_param(group, *c.values, id=c.id) for group, lesson in lesson_and_copies(feature, "kernels.decode")
             for c in (full if lesson else reduced)]
 
 
 def _v2_cases():
     tiles = (16, 64)  # a tile inside one block / a tile spanning several blocks
     full = [pytest.param(*c.values, n, id=f"{c.id}-n{n}") for c in _cases() for n in tiles]
-    return _per_step("triton_decode", full, [full[0], full[-1]])
+    return _per_copy("triton_decode", full, [full[0], full[-1]])
 
 
 @pytest.mark.parametrize("step,block_size,num_heads,kv_heads,head_dim,dtype,block_n", _v2_cases())
@@ -168,19 +171,20 @@ BLOCK_N = 16
 
 def _split_cases():
     full = [pytest.param(b, h, kv, n, id=f"{b}-{h}-{kv}-{n}") for b in (16, 64) for h, kv in HEADS for n in SPLITS]
-    return _per_step("flash_decoding", full, [p for p in full if p.id in ("16-6-2-3", "64-8-1-20")])
+    return _per_copy("flash_decoding", full, [p for p in full if p.id in ("16-6-2-3", "64-8-1-20")])
 
 
 @pytest.mark.parametrize("step,block_size,num_heads,kv_heads,num_splits", _split_cases())
 def test_flash_decode_matches_reference_and_v2(step, block_size, num_heads, kv_heads, num_splits):
-    """The step's flash decoding equals its reference and its own v2 (the kernel it falls back to), and the
-    v2 where v2 is introduced."""
+    """The step's flash decoding equals its reference, its own v2 where the step still has one (step17: the kernel
+    it falls back to for one part), and the v2 where v2 is introduced."""
     kernels = decode_kernels(step)
     case = make_case(block_size, num_heads, kv_heads, 64, torch.float32)
     out = kernels.flash_decode(**case, num_splits=num_splits, block_n=BLOCK_N)
     assert out.dtype == torch.float32 and out.is_contiguous() and not out.isnan().any()
     torch.testing.assert_close(out, kernels.decode_reference(**case), **TOL[torch.float32])
-    torch.testing.assert_close(out, kernels.paged_decode_v2(**case, block_n=BLOCK_N), **TOL[torch.float32])
+    if has(step, "triton_decode"):
+        torch.testing.assert_close(out, kernels.paged_decode_v2(**case, block_n=BLOCK_N), **TOL[torch.float32])
     torch.testing.assert_close(out, paged_decode_v2(**case, block_n=BLOCK_N), **TOL[torch.float32])
 
 
@@ -270,13 +274,15 @@ GPU_SHAPES = [(9, 3, 64), (16, 8, 128)]  # SmolLM2-135M's (query heads, KV heads
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,kv_heads,head_dim", GPU_SHAPES)
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("step", having("triton_decode"))
+@pytest.mark.parametrize("step", copies_params(
+    [s for s in STEPS if has(s, "triton_decode") or has(s, "flash_decoding")], "kernels.decode"))
 def test_decode_kernels_compiled_bf16(step, block_size, num_heads, kv_heads, head_dim):
     kernels = decode_kernels(step)
     case = make_case(block_size, num_heads, kv_heads, head_dim, torch.bfloat16)
     expected = kernels.decode_reference(**case).float()
     versions = [("v1", kernels.paged_decode_v1)] if hasattr(kernels, "paged_decode_v1") else []
-    versions.append(("v2", kernels.paged_decode_v2))
+    if hasattr(kernels, "paged_decode_v2"):
+        versions.append(("v2", kernels.paged_decode_v2))
     if hasattr(kernels, "flash_decode"):
         versions += [(f"flash {n}", lambda n=n, **c: kernels.flash_decode(**c, num_splits=n)) for n in (1, 2, 3, 8, 64)]
     for name, kernel in versions:

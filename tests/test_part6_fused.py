@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.anatomy import LaunchCounter, decode_forward_inputs, layer_launches
-from helpers import compare_completions, STEP_LOGPROB_ATOL_FP32, load_engine
+from helpers import compare_completions, copies_param, STEP_LOGPROB_ATOL_FP32, load_engine
 from registry import introducing, last_before, lesson_and_copies
 from test_part6 import DEVICE, kernels, mixed_requests
 
@@ -28,10 +28,13 @@ def torch_ops(step):
 
 
 def fused_cases():
-    """Every hidden size, token count and dtype where the kernels are introduced; one corner in every later copy."""
+    """Every hidden size, token count and dtype where the kernels are introduced; one corner in every later copy
+    that differs. The tests load kernels/fused.py and the torch operators of model.py (and what model.py imports):
+    steps where all of those are the same files run them once (registry.distinct_copies)."""
     full = [(name, n, dtype) for name in HIDDEN for n in TOKENS for dtype in (torch.float32, torch.float16)]
-    return [pytest.param(step, *c, id=f"{step}-{c[0]}-n{c[1]}-{str(c[2])[6:]}")
-            for step, lesson in lesson_and_copies("fused_kernels") for c in (full if lesson else [full[-1]])]
+    return [copies_param(group, *c, id=f"{c[0]}-n{c[1]}-{str(c[2])[6:]}")
+            for group, lesson in lesson_and_copies("fused_kernels", "kernels.fused", "model")
+            for c in (full if lesson else [full[-1]])]
 
 
 def inputs(shape, dtype, seed):

@@ -2,13 +2,14 @@
 
 The kernel equals the torch reference on ragged mixed rows after cached prefixes (Triton's interpreter on the CPU,
 fp32 and fp16; compiled in bf16 at real shapes on the GPU); the engine equals step17 token for token for chunk
-budgets 1, 7 and 512, with one attention launch per layer in every step, counted; a long prompt never keeps a
-running request from its next token."""
+budgets 1, 7 and 512, with one attention launch per layer in every step, counted where Triton launches it; a long
+prompt never keeps a running request from its next token."""
 import pytest
 import torch
 
 from shared import SamplingParams
-from helpers import compare_completions, STEP_LOGPROB_ATOL_FP32, load_engine, scheduled_work
+from helpers import TritonLaunches, compare_completions, copies_param, STEP_LOGPROB_ATOL_FP32, load_engine
+from helpers import scheduled_work
 from registry import introducing, last_before, lesson_and_copies
 from test_part6 import DEVICE, kernels, make_case, mixed_requests
 
@@ -24,10 +25,11 @@ CACHED = [70, 3, 0, 20, 15, 0, 64]
 
 def mixed_cases():
     """The full grid (block sizes 16 and 64, GQA ratios 1, 3 and 8, head dims 64 and 128) where the kernel is
-    introduced, two corners in every later copy."""
+    introduced, two corners in every later copy of kernels/attention.py that differs (steps with the same file run
+    it once, registry.distinct_copies)."""
     full = [(b, h, kv, d) for b in (16, 64) for h, kv in ((4, 4), (6, 2), (8, 1)) for d in (64, 128)]
-    return [pytest.param(step, *c, id=f"{step}-bs{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}")
-            for step, lesson in lesson_and_copies("mixed_batch_kernel")
+    return [copies_param(group, *c, id=f"bs{c[0]}-h{c[1]}-kv{c[2]}-d{c[3]}")
+            for group, lesson in lesson_and_copies("mixed_batch_kernel", "kernels.attention")
             for c in (full if lesson else [full[0], full[-1]])]
 
 
@@ -85,11 +87,14 @@ def test_mixed_engine_equals_step17_with_one_launch_per_layer(model, budget):
     expected = load_engine(BEFORE).LLM(model, **options).generate(prompts, params)
     llm = load_engine(MIXED).LLM(model, **options)
     seen = work_counter(llm)
-    got = llm.generate(prompts, params)
+    with TritonLaunches() as launched:  # every kernel launch, those inside the kernels' wrappers included
+        got = llm.generate(prompts, params)
     for a, b in zip(got, expected):
         compare_completions(a.outputs[0], b.outputs[0], STEP_LOGPROB_ATOL_FP32)
     layers = llm.model.config.num_layers
-    assert llm.model.attention_backend.launches == llm.timers.steps * layers  # one launch per layer, every step
+    # One launch per layer, every step: the mixed kernel, nothing else (these short contexts never split).
+    mixed = f"{kernels(MIXED).__name__}._mixed_attention_kernel"
+    assert launched.by_kernel == {mixed: llm.timers.steps * layers}, launched.by_kernel
     if budget > 1:
         assert seen["mixed"] > 0, seen  # steps really mixed decodes and chunks in that one launch
 

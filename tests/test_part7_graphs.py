@@ -1,8 +1,9 @@
 """step21: CUDA graphs. The decode forward is recorded once per batch bucket and replayed; the batch is padded to its
 bucket, padding rows write to a scratch block; `enforce_eager` turns graphs off; a CPU runs eagerly.
 
-On the CPU: the buckets and the padding, unit by unit; the eager engine against step20 (the same tokens, the same
-draws for seeded sampling); and the static-buffer runner itself, which run() drives eagerly where no graph can be
+On the CPU: the buckets and the padding, unit by unit (what a fill writes into the device buffers, its copies
+counted as they run); the eager engine against step20 (the same tokens, the same draws for seeded sampling); and the
+static-buffer runner itself, which the engine drives through prepare() and launch() eagerly where no graph can be
 captured: the same fill-and-forward code a graph records, padded batches included, against the plain engine.
 On the GPU (marked gpu): replayed graphs against the same padded forward run eagerly (bit for bit), against
 enforce_eager=True (the vLLM rule: padding changes the matmuls' shapes), one wait for the GPU per step.
@@ -23,6 +24,47 @@ ON_GPU = torch.cuda.is_available()
 
 def graphs_module():
     return step_module(GRAPHS, "cuda_graphs")
+
+
+class BufferWrites:
+    """Records, while active, every torch operator that writes into the device buffers of a StaticDecodeInputs
+    (longs, ints): (operator, the buffer written, the staging buffer read or None). Counted by a TorchDispatchMode
+    as the operators run, not by the code's own counter."""
+
+    def __init__(self, inputs):
+        storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731  (views share their base's storage)
+        self.devices = {storage(inputs.longs): "longs", storage(inputs.ints): "ints"}
+        self.staging = {storage(inputs.host_longs): "host_longs", storage(inputs.host_ints): "host_ints"}
+        self.writes, self._storage = [], storage
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        recorder = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                schema = func._schema.arguments
+                values = list(args) + [kwargs.get(a.name) for a in schema[len(args):]]
+                written = [recorder.devices.get(recorder._storage(v)) for a, v in zip(schema, values)
+                           if a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor)]
+                read = [recorder.staging.get(recorder._storage(v)) for v in values[1:] if isinstance(v, torch.Tensor)]
+                for buffer in filter(None, written):
+                    recorder.writes.append((str(func), buffer, next(filter(None, read), None)))
+                return func(*args, **kwargs)
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        return False
+
+
+# What one fill must write into the device buffers: one copy of each, from its pinned staging copy.
+TWO_COPIES = [("aten.copy_.default", "longs", "host_longs"), ("aten.copy_.default", "ints", "host_ints")]
 
 
 class FakeSeq:
@@ -71,16 +113,18 @@ def test_fill_writes_the_rows_and_pads_to_the_scratch_block():
             FakeSeq(1, [5], request_id="c")]  # block_size 4: slots of positions 4, 8, 0
     rows = rows_of(tables, seqs)
     assert rows == [1, 2, 3]
-    inputs.fill(seqs, tables, rows, 4, block_size=4, scratch_block=9)
+    with BufferWrites(inputs) as first:
+        inputs.fill(seqs, tables, rows, 4, block_size=4, scratch_block=9)
     assert inputs.input_ids[:4].tolist() == [104, 108, 100, 0]
     assert inputs.positions[:4].tolist() == [4, 8, 0, 0]
     assert inputs.slot_mapping[:4].tolist() == [2 * 4 + 0, 3 * 4 + 0, 5 * 4 + 0, 9 * 4]
     assert inputs.seq_lens[:4].tolist() == [5, 9, 1, 1]
     assert inputs.block_tables[0, :2].tolist() == [7, 2] and inputs.block_tables[1, :3].tolist() == [1, 4, 3]
     assert inputs.block_tables[2, 0] == 5 and inputs.block_tables[3, 0] == 9
-    assert inputs.copies == 2  # two host-to-device copies per fill, whatever the batch
     late = FakeSeq(2, [6], request_id="d")
-    inputs.fill([late], tables, rows_of(tables, [late]), 2, block_size=4, scratch_block=9)
+    with BufferWrites(inputs) as second:
+        inputs.fill([late], tables, rows_of(tables, [late]), 2, block_size=4, scratch_block=9)
+    assert first.writes == second.writes == TWO_COPIES  # two host-to-device copies per fill, whatever the batch
     assert inputs.input_ids[:2].tolist() == [101, 0] and inputs.slot_mapping[:2].tolist() == [6 * 4 + 1, 36]
     assert inputs.block_tables[:2, 0].tolist() == [6, 9] and inputs.seq_lens[:2].tolist() == [2, 1]
     with pytest.raises(ValueError, match="fill: 3 sequences in a batch of 2"):
@@ -121,11 +165,21 @@ def test_eager_engine_equals_step20(model):
 
 def attach_eager_graphs(llm):
     """The engine's static-buffer runner, built but never captured: every decode step goes through its fill and
-    its padded forward, run eagerly (what a CPU can do of a graph)."""
+    its padded forward, run eagerly (what a CPU can do of a graph). runner.fills: what each fill wrote into the
+    device buffers (BufferWrites)."""
     runner, block_size = llm.runner, llm.block_manager.block_size
     runner.graphs = graphs_module().DecodeGraphs(llm.model, llm.device, runner.max_num_seqs, block_size,
                                                  runner.scratch_block, runner.max_table_blocks(block_size),
                                                  llm.model.config.max_position_embeddings)
+    inputs, fill = runner.graphs.inputs, runner.graphs.inputs.fill
+    runner.graphs.fills = []
+
+    def recorded_fill(*args, **kwargs):
+        with BufferWrites(inputs) as recorded:
+            fill(*args, **kwargs)
+        runner.graphs.fills.append(recorded.writes)
+
+    inputs.fill = recorded_fill
     return runner.graphs
 
 
@@ -153,7 +207,7 @@ def test_static_buffer_runner_equals_the_engine(model, kv_tokens):
         compare_completions(a.outputs[0], b.outputs[0], STEP_LOGPROB_ATOL_FP32, label=f"request {a.request_id}")
     assert runner.eager_runs > 0 and runner.replays == 0  # the static path ran, with no graph (a CPU)
     assert llm.stats["padded_rows"] > 0  # some batches were padded up to their bucket
-    assert runner.inputs.copies == 2 * runner.eager_runs
+    assert len(runner.fills) == runner.eager_runs and all(writes == TWO_COPIES for writes in runner.fills)
     if kv_tokens is not None:
         assert llm.scheduler.num_preemptions > 0
 

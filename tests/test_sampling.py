@@ -7,9 +7,13 @@ import pytest
 import torch
 
 from conftest import STEPS, cached_llm
+from helpers import copies_params
 from shared import SamplingParams
 
 SAMPLER_STEPS = [s for s in STEPS if importlib.util.find_spec(f"steps.{s}.sampler") is not None]
+# The tests of sampler.py alone run once for each distinct content of the file (one file is copied into many
+# steps); the tests that generate with an engine run in every step.
+SAMPLER_COPIES = copies_params(SAMPLER_STEPS, "sampler")
 NEG_INF = float("-inf")
 
 
@@ -25,7 +29,7 @@ def probs_logits(probs):
     return torch.log(torch.tensor(probs, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("step", SAMPLER_STEPS)
+@pytest.mark.parametrize("step", SAMPLER_COPIES)
 def test_top_k_mask_is_exact(step):
     s = sampler(step)
     logits = torch.tensor([1.0, 3.0, 2.0, 5.0, 4.0])
@@ -38,7 +42,7 @@ def test_top_k_mask_is_exact(step):
     assert torch.equal(s.apply_top_k(logits, 2)[[3, 4]], logits[[3, 4]])  # survivors unchanged
 
 
-@pytest.mark.parametrize("step", SAMPLER_STEPS)
+@pytest.mark.parametrize("step", SAMPLER_COPIES)
 def test_top_p_mask_is_exact(step):
     s = sampler(step)
     logits = probs_logits([0.15, 0.5, 0.05, 0.3])  # sorted: 1 (0.5), 3 (0.3), 0 (0.15), 2 (0.05)
@@ -50,7 +54,7 @@ def test_top_p_mask_is_exact(step):
     assert kept(s.apply_top_p(logits, 1e-6)) == {1}  # the most likely token always survives
 
 
-@pytest.mark.parametrize("step", SAMPLER_STEPS)
+@pytest.mark.parametrize("step", SAMPLER_COPIES)
 def test_min_p_mask_is_exact(step):
     s = sampler(step)
     logits = probs_logits([0.5, 0.3, 0.15, 0.05])
@@ -60,7 +64,7 @@ def test_min_p_mask_is_exact(step):
     assert kept(s.apply_min_p(logits, 0.0)) == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("step", SAMPLER_STEPS)
+@pytest.mark.parametrize("step", SAMPLER_COPIES)
 def test_sample_follows_the_distribution(step):
     s = sampler(step)
     probs = [0.5, 0.3, 0.15, 0.05]
@@ -79,7 +83,7 @@ def test_sample_follows_the_distribution(step):
     assert abs(draws.count(0) / 1000 - 0.5 / 0.8) < 0.06
 
 
-@pytest.mark.parametrize("step", SAMPLER_STEPS)
+@pytest.mark.parametrize("step", SAMPLER_COPIES)
 def test_temperature_zero_is_argmax_and_low_temperature_approaches_it(step):
     s = sampler(step)
     logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
@@ -113,7 +117,7 @@ def test_logprobs_are_normalised_and_include_the_chosen_token(step):
     assert math.isclose(out.cumulative_logprob, sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)), rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("step", SAMPLER_STEPS)
+@pytest.mark.parametrize("step", SAMPLER_COPIES)
 def test_filters_run_in_vllms_order(step):
     """Temperature, then min-p, then top-k and top-p: top-p sees the probabilities left after min-p.
     Here min-p keeps {0, 1} (renormalised to 0.57 / 0.43) and top-p 0.5 then keeps only token 0; the old
@@ -124,7 +128,7 @@ def test_filters_run_in_vllms_order(step):
     assert {s.sample(logits, sp, s.request_seed(sp), position) for position in range(200)} == {0}
 
 
-@pytest.mark.parametrize("step", SAMPLER_STEPS)
+@pytest.mark.parametrize("step", SAMPLER_COPIES)
 def test_draw_is_keyed_by_seed_and_position(step):
     """A draw's random number is a function of (seed, position) alone: the same key, the same number, in any
     order and whatever else is in the batch; different keys, numbers spread over [0, 1)."""
@@ -142,7 +146,7 @@ def test_draw_is_keyed_by_seed_and_position(step):
     assert s.request_seed(SamplingParams()) != s.request_seed(SamplingParams())  # unseeded: a fresh seed each
 
 
-@pytest.mark.parametrize("step", SAMPLER_STEPS)
+@pytest.mark.parametrize("step", SAMPLER_COPIES)
 def test_inverse_cdf_draw_follows_a_wide_distribution(step):
     """The draw over a wide row of small probabilities, with filtered (zero-probability) tokens: a
     chi-square test on 20,000 draws over 8 bins of a 5,000-token distribution (7 degrees of freedom; 24.32 has

@@ -56,10 +56,12 @@ def test_times(junit: Path) -> list[tuple[str, float]]:
 
 
 def step_of(name: str) -> str | None:
-    """The step a test takes, read from its parameters (`test_x[step16-...]`, `test_y[1-step10]`)."""
+    """The step a test takes, read from its parameters (`test_x[step16-...]`, `test_y[1-step10]`). A test run once
+    for steps of the same content (`test_z[step20+step21+step22-...]`, tests/helpers.py's copies_param) ran on the
+    first of them: its time is that step's."""
     params = name[name.find("[") + 1:-1] if "[" in name else ""
-    found = [s for s in STEPS if re.search(rf"(^|[-\[]){re.escape(s)}($|-)", params)]
-    return max(found, key=len) if found else None
+    found = [(m.start(), s) for s in STEPS for m in [re.search(rf"(^|[-+]){re.escape(s)}($|[-+])", params)] if m]
+    return min(found)[1] if found else None
 
 
 def project(data: dict) -> dict:

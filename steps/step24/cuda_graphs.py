@@ -1,10 +1,11 @@
 """CUDA graphs for the decode forward: record its kernels once per batch size, then replay them with one call.
 
-A forward of Qwen3-0.6B is about 360 kernel launches (step19's count). Eager, the host launches each one: Python
-runs the model's code, torch dispatches every operator, Triton binds every kernel's arguments; that host work
-takes longer than the kernels themselves at small batches, so the GPU waits. A CUDA graph records the launches
-once (torch.cuda.graph: the kernels, their arguments, the addresses they read and write) and replays the whole
-recording with one call (graph.replay()): the host work of a forward becomes one launch.
+A decode forward is a kernel launch for every operator of every layer (its matmuls, KV writes, attention and fused
+kernels; step19 counts them per layer). Eager, the host launches each one: Python runs the model's code, torch
+dispatches every operator, Triton binds every kernel's arguments; that host work takes longer than the kernels
+themselves at small batches, so the GPU waits. A CUDA graph records the launches once (torch.cuda.graph: the
+kernels, their arguments, the addresses they read and write) and replays the whole recording with one call
+(graph.replay()): the host work of a forward becomes one launch.
 
 A replay runs exactly what was recorded, so:
 
@@ -20,8 +21,8 @@ A replay runs exactly what was recorded, so:
 - only steps of decodes are replayed (one token per row, the same shapes every step); a step with a prompt chunk
   has shapes of its own and runs eagerly.
 
-On a CPU there are no CUDA graphs: DecodeGraphs runs the same fill-and-forward code eagerly (run() without
-capture()), which is how its static buffers and padding are tested there.
+On a CPU there are no CUDA graphs: DecodeGraphs runs the same fill-and-forward code eagerly (prepare() and launch()
+without capture()), which is how its static buffers and padding are tested there.
 
 The block tables come from the model runner's persistent rows (model_runner.py's BlockTables): fill() gathers the
 step's rows into the staging with one index_select, and reads the slot mapping from them, never from the lists.
@@ -111,8 +112,8 @@ class StaticDecodeInputs:
 
 
 class DecodeGraphs:
-    """One CUDA graph per batch size for the decode forward; run() pads the batch, fills the static buffers and
-    replays the bucket's graph (or, on a CPU / before capture(), runs the same forward eagerly).
+    """One CUDA graph per batch size for the decode forward; prepare() pads the batch and fills the static buffers,
+    launch() replays the bucket's graph (or, on a CPU / before capture(), runs the same forward eagerly).
 
     model: the model with its KV cache bound (the graphs record the cache's addresses: capture after it is
     allocated); the attention backend must be the kernels' (TritonAttention: its metadata has device tensors only).
@@ -129,7 +130,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output, [size, vocab]: rewritten by every replay
         self.replays = 0  # graph launches
-        self.eager_runs = 0  # run() without a graph (a CPU, or before capture)
+        self.eager_runs = 0  # launch() without a graph (a CPU, or before capture)
         self.pool_bytes = 0  # device memory the graphs hold (their private memory pool), measured by capture()
         self.collectives: dict[int, tuple] = {}  # step22: what each graph's capture counted of the all-reduces
 
@@ -187,7 +188,3 @@ class DecodeGraphs:
             return self.logits[size][:num_rows]
         self.eager_runs += 1
         return self.forward(size)[:num_rows]
-
-    def run(self, seqs: list, tables, rows: list[int]) -> torch.Tensor:
-        """One decode step for `seqs`: prepare, then launch."""
-        return self.launch(self.prepare(seqs, tables, rows), len(seqs))

@@ -15,8 +15,6 @@ masked (phase 2); tiles above the tile's last query are never read.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 try:
@@ -124,16 +122,10 @@ if triton is not None:
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    """The GPU's streaming multiprocessors (132 on an H200); 132 stands in on a CPU (the interpreter)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def tile_config(max_query_len: int, group: int) -> dict:
     """Rows per program and tile sizes. A tile's rows are its tokens x the query heads of one KV head (`group`).
-    Steps with long chunks: 128 rows (64 for head dims under 128 is left to the overrides), as step15 found best for
-    prefill; steps of decodes and short chunks: 16 rows, the smallest tile tl.dot takes, so few rows idle."""
+    Steps whose longest row fills 64 rows (chunks): 64 rows and key tiles of 64; steps of decodes and short chunks:
+    16 rows, the smallest tile tl.dot takes, so few rows idle. Other sizes are the callers' overrides."""
     if max_query_len * group >= 64:
         return dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
     return dict(block_m=16, block_n=64, num_warps=4, num_stages=2)

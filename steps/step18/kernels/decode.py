@@ -14,20 +14,20 @@ or is the token itself). The data, as the engine lays it out:
 Grouped-query attention (GQA): num_heads = GROUP * kv_heads, and query heads h*GROUP .. h*GROUP + GROUP - 1
 all read KV head h.
 
-Three versions of the same math, out = softmax(q·Kᵀ · scale) · V per (sequence, query head):
+Two versions of the same math, out = softmax(q·Kᵀ · scale) · V per (sequence, query head):
 
 - decode_reference: plain torch, sequence by sequence. Obviously right; the kernels are tested against it.
-- paged_decode_v2:  step16's kernel: one program per (sequence, KV head) computing all GROUP query heads of that
-                    KV head at once, so each K/V byte leaves memory once; a single pass with the online softmax,
-                    so no scores are stored. The engine runs it when a context is not split.
-- flash_decode:     step17's, below: the same program cut into parts of the context, and a merge.
+- flash_decode:     step17's, below: step16's paged_decode_v2 (one program per (sequence, KV head) computing all
+                    GROUP query heads of that KV head at once, a single pass with the online softmax) cut into
+                    parts of the context, and a merge. The engine runs it for a step of decodes that splits; every
+                    other step goes through kernels/attention.py's mixed kernel, so v2 itself is gone (step18).
 
 All accumulation is in fp32; the output has q's dtype. On the CPU, Triton's interpreter (TRITON_INTERPRET=1) runs
-the kernels for fp32 and fp16; v2 refuses bf16 there (the interpreter's tl.dot gets bf16 wrong).
+the kernels for fp32 and fp16; they refuse bf16 there (the interpreter's tl.dot gets bf16 wrong).
 
 Flash decoding: split each sequence's context across several programs, then merge the parts.
 
-paged_decode_v2 runs one program per (sequence, KV head). At batch 64 with 8 KV heads that is 512 programs,
+Step16's paged_decode_v2 ran one program per (sequence, KV head). At batch 64 with 8 KV heads that is 512 programs,
 plenty for a GPU with 132 multiprocessors (SMs). At batch 1 it is 8 programs: 8 SMs stream the whole context
 while the other 124 idle, and the kernel reaches a few percent of the memory bandwidth. Flash decoding adds a
 third grid dimension: the context of each sequence is cut into num_splits contiguous ranges, each handled by
@@ -137,120 +137,6 @@ def decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
     return out
 
 
-if triton is not None:
-
-    # ----------------------------------------------------------------------------------------------------------
-    # v2: one program per (sequence, KV head), all GROUP query heads at once, online softmax in one pass
-    # ----------------------------------------------------------------------------------------------------------
-
-    @triton.jit
-    def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qk_scale,
-                          stride_qs, stride_qh,
-                          stride_kb, stride_kt, stride_kh,
-                          stride_vb, stride_vt, stride_vh,
-                          stride_os, stride_oh,
-                          stride_bt,
-                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """Program (seq, kv_head) computes out[seq, kv_head*GROUP + g, :] for g in 0..GROUP-1.
-
-        Reads:  q of those GROUP heads; then the context in tiles of BLOCK_N tokens: for each token its physical
-                slot via block_tables[seq, pos // BLOCK_SIZE], and there K and V of kv_head. Each K/V byte of
-                (seq, kv_head) is read by this program only, once.
-        Writes: the GROUP output rows.
-
-        The GROUP query rows form the M side of two small matrix products per tile, S = Q·Kᵀ and P·V. tl.dot
-        needs M >= 16, so the rows are padded to BLOCK_G (a power of two >= 16); the padded rows load q = 0,
-        compute harmless finite values, and are never stored. qk_scale = scale * log2(e): the softmax runs in
-        base 2 (exp2 is one hardware instruction; exp(x) = exp2(x * log2 e)), so m below is in base-2 units.
-        """
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        seq_len = tl.load(seq_lens_ptr + seq)
-
-        rows = tl.arange(0, BLOCK_G)      # query heads of this KV head (padded)
-        dims = tl.arange(0, HEAD_DIM)
-        offs_n = tl.arange(0, BLOCK_N)    # the tokens of one tile
-        heads = kv_head * GROUP + rows
-        row_ok = rows < GROUP
-        q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
-                    mask=row_ok[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
-
-        # Online softmax state, per query row: m = max score so far, l = sum of exp2(s - m) so far,
-        # acc = sum of exp2(s - m) * v so far. All three describe the keys seen so far relative to the current m.
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-
-        for start in range(0, seq_len, BLOCK_N):
-            pos = start + offs_n
-            valid = pos < seq_len  # only the last tile has invalid tokens; its first token is always valid
-            # A tile may span several cache blocks (BLOCK_N > BLOCK_SIZE) or part of one (BLOCK_N < BLOCK_SIZE):
-            # look up each token's own physical block.
-            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
-            k_rows = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-            v_rows = block.to(tl.int64) * stride_vb + (pos % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
-            k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
-            v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
-
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], base 2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile holds at least one valid token
-            # The old l and acc are relative to the old maximum: rescale them to the new one.
-            # exp2(m - m_new) <= 1; on the first tile m = -inf and it is 0 (l and acc are 0 anyway).
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])  # [BLOCK_G, BLOCK_N], 0 for the invalid tokens
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m = m_new
-
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]  # seq_len == 0 would give l == 0: write 0, not NaN
-        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-def _require_triton():
-    if triton is None:
-        raise RuntimeError("Triton is not installed: only decode_reference is available")
-
-
-def paged_decode_v2(q, k_cache, v_cache, block_tables, seq_lens, scale, block_n=64, num_warps=4, num_stages=3):
-    """Decode attention, v2: grid (num_seqs, kv_heads), all GROUP query heads of a KV head in one program,
-    single pass with the online softmax. Returns [num_seqs, num_heads, head_dim] in q's dtype.
-
-    block_n (keys per loop iteration, a power of two >= 16), num_warps and num_stages default to 64 / 4 / 3:
-    a [64, head_dim] K tile and V tile (16 KB each in bf16 at head_dim 128) per iteration; with num_stages=3
-    Triton's software pipeline copies the next tile's K/V into shared memory while this one is computed, and
-    the block-table entries two tiles ahead (about 39 KB of shared memory and ~100 registers per thread on
-    sm_90, so 4+ programs fit on one SM: batch 64 x 8 KV heads = 512 programs is one wave on 132 SMs).
-    A benchmark may pass others.
-    """
-    _require_triton()
-    _check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
-    _check_not_interpreted_bf16(q.dtype)
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // kv_heads
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_seqs == 0:
-        return out
-    _decode_v2_kernel[(num_seqs, kv_heads)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, float(scale) * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        block_tables.stride(0),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        # fp32 inputs: exact fp32 products (the default would round them to tf32 on the tensor cores).
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages)
-    return out
-
-
 # ---- step17: flash decoding ---------------------------------------------------------------------------------
 
 def choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms=132, min_tokens_per_split=256):
@@ -301,7 +187,7 @@ if triton is not None:
 
         Reads:  q of the GROUP heads; K/V of kv_head for the range's tokens, through the block table.
         Writes: DIRECT (num_splits == 1, the range is the whole context): the normalised output rows, as
-                paged_decode_v2 would; the merge kernel is not launched.
+                step16's paged_decode_v2 wrote them; the merge kernel is not launched.
                 Otherwise: part_m[seq, h, split], part_l[seq, h, split], part_acc[seq, h, split, :] for the
                 GROUP heads h, all fp32, m in base-2 units.
         """
@@ -327,7 +213,7 @@ if triton is not None:
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
 
-        # The loop body is paged_decode_v2's: one tile of BLOCK_N tokens per iteration, online softmax.
+        # The loop body is step16's paged_decode_v2's: one tile of BLOCK_N tokens per iteration, online softmax.
         for start in range(first_tile * BLOCK_N, end_tile * BLOCK_N, BLOCK_N):
             pos = start + offs_n
             valid = pos < seq_len  # only the context's last tile is partial; a tile's first token is valid
@@ -457,11 +343,13 @@ def flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
     [num_seqs, num_heads, head_dim] in q's dtype.
 
     num_splits > 1: the split kernel, grid (num_seqs, kv_heads, num_splits), all GROUP query heads of a KV head
-    per program (as in paged_decode_v2), writes fp32 partial results (flash_decode_partials); the merge kernel,
+    per program (as in step16's paged_decode_v2), writes fp32 partial results (flash_decode_partials); the merge kernel,
     grid (num_seqs, num_heads), combines them.
     num_splits == 1: the split kernel normalises and writes the output itself; no scratch, no merge launch
-    (exactly paged_decode_v2's work).
-    block_n / num_warps / num_stages: as paged_decode_v2's defaults (64 / 4 / 3); a benchmark may try others.
+    (exactly step16's paged_decode_v2's work).
+    block_n / num_warps / num_stages: 64 / 4 / 3, step16's v2's defaults (a [64, head_dim] K tile and V tile per
+    iteration; with 3 stages Triton copies the next tile into shared memory while this one is computed); a
+    benchmark may try others.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed")
