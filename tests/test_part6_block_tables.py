@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine, step_module
-from registry import has, introducing, last_before, lesson_and_copies
+from registry import has, having, introducing, last_before
 from shared import SamplingParams
 
 ROWS = introducing("block_table_rows")
@@ -43,7 +43,7 @@ def step_rows(tables, seqs):
     return rows, tables.written - before
 
 
-@pytest.mark.parametrize("step", [s for s, _ in lesson_and_copies("block_table_rows")])
+@pytest.mark.parametrize("step", having("block_table_rows"))
 def test_rows_take_only_the_new_blocks_and_are_reused(step):
     tables = block_tables(step)
     a, b = FakeSeq("a", [7, 2, 9]), FakeSeq("b", [4])
@@ -70,7 +70,7 @@ def test_rows_take_only_the_new_blocks_and_are_reused(step):
         step_rows(tables, [FakeSeq("wide", range(7))])
 
 
-@pytest.mark.parametrize("step", [s for s, _ in lesson_and_copies("block_table_rows")])
+@pytest.mark.parametrize("step", having("block_table_rows"))
 def test_gather_and_slots_equal_what_the_lists_give(step):
     """The slots read from the rows are model.slot_mapping's, computed from the lists; the gathered tables hold each
     sequence's list up to its length, whichever rows the sequences hold."""
@@ -94,7 +94,7 @@ def test_gather_and_slots_equal_what_the_lists_give(step):
         assert row[:len(seq.block_table)] == seq.block_table
 
 
-@pytest.mark.parametrize("step", [s for s, _ in lesson_and_copies("block_table_rows")])
+@pytest.mark.parametrize("step", having("block_table_rows"))
 def test_more_sequences_than_rows_and_a_release_not_told_are_errors(step):
     tables = block_tables(step, max_rows=2)
     a = FakeSeq("a", [1, 4])
@@ -192,8 +192,8 @@ def engine_cases():
     """The lesson step on the kernels' path (Triton's interpreter: the gathered block tables are what they read) and
     the torch path (the slot mapping from the rows); every later copy on the torch path."""
     cases = []
-    for step, lesson in lesson_and_copies("block_table_rows"):
-        for backend in (["triton", "torch"] if lesson else ["torch"]):
+    for step in having("block_table_rows"):
+        for backend in (["triton", "torch"] if step == introducing("block_table_rows") else ["torch"]):
             cases.append(pytest.param(step, backend, id=f"{step}-{backend}"))
     return cases
 

@@ -11,14 +11,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from registry import lesson_and_copies
+from helpers import copies_param
+from registry import having, lesson_and_copies
 from test_part6 import DEVICE
 
 pytest.importorskip("triton")
 
 from shared import SamplingParams  # noqa: E402
 
-STEPS = lesson_and_copies("fused_sampler")  # (step, is the lesson): the copies get fewer rows
+# the kernel's test runs once per distinct content of the files it loads; the lesson's copy gets more rows
+KERNEL_CASES = [copies_param(group, lesson) for group, lesson in lesson_and_copies("fused_sampler", "kernels.sampling",
+                                                                                   "sampler")]
 
 
 def modules(step):
@@ -45,7 +48,7 @@ def reference(sampler, logits, temperature, seeds, positions):
     return torch.where(temperature.cpu() > 0, drawn, cpu.argmax(-1)), torch.log_softmax(cpu, -1)
 
 
-@pytest.mark.parametrize("step,lesson", STEPS)
+@pytest.mark.parametrize("step,lesson", KERNEL_CASES)
 def test_fused_draw_gives_the_torch_paths_tokens_and_logprobs(step, lesson):
     sampling, sampler, _, _ = modules(step)
     rows, vocab = ((24 if lesson else 6), 1000) if DEVICE == "cpu" else (256, 151936)
@@ -66,7 +69,7 @@ def seqs_for(params, n):
     return [SimpleNamespace(params=params[i % len(params)], seed=7919 * i + 1, output_ids=[0] * (3 * i)) for i in range(n)]
 
 
-@pytest.mark.parametrize("step", [step for step, _ in STEPS])
+@pytest.mark.parametrize("step", having("fused_sampler"))
 def test_the_runner_takes_the_kernel_only_without_filters(step):
     """The runner's two paths on the same logits: the same tokens, logprobs and top logprobs, and each step's path
     counted (the kernel for temperature and greedy rows; sampler.py as soon as one row asks for a filter)."""
