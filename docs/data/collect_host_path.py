@@ -37,7 +37,8 @@ def main() -> None:
                     "temperature": r["temperature"],
                     "tokens_per_s": r["tokens_per_s"], "runs": r["all"], "new_tokens": r["new_tokens"]}
             elif r["kind"] == "phases":
-                call["phases"][step] = {"engine_steps": r["engine_steps"], "ms_per_step": r["ms_per_step"]}
+                call["phases"][step] = {"engine_steps": r["engine_steps"],  # phase names with _ for spaces
+                                        "ms_per_step": {k.replace(" ", "_"): v for k, v in r["ms_per_step"].items()}}
             elif r["kind"] == "gpu_busy":
                 call["gpu_busy"][step] = {k: r[k] for k in ("engine_steps", "running_rows", "ms_per_step",
                                                             "gpu_busy_ms_per_step", "gpu_busy_share",
@@ -49,6 +50,17 @@ def main() -> None:
                                      "tokens_per_s": float(re.search(r'"tokens_per_s": ([0-9.]+)', line).group(1)),
                                      "backend": re.search(r'"backend": "([^"]*)"', line).group(1)}
     env = (RAW / "env.txt").read_text().split()
+    for stem, call in calls.items():  # a call's own device line, where it has one (env_c.txt for host_path_c)
+        own = RAW / f"env_{stem.rsplit('_', 1)[-1]}.txt"
+        if own.is_file():
+            call["env"] = " ".join(own.read_text().split())
+        sampler = RAW / f"sampler_{stem.rsplit('_', 1)[-1]}.jsonl"
+        if sampler.is_file():  # bench_sampler.py in the same call: one sampling step alone, by path
+            lines = [json.loads(line) for line in sampler.read_text().splitlines() if line.strip()]
+            call["sampler"] = {"command": lines[0]["command"], "copy_bytes_per_s": next(
+                r["copy_bytes_per_s"] for r in lines if r["kind"] == "limit"), "cases": [
+                {k: r[k] for k in ("step", "path", "rows", "temperature", "ms", "gpu_busy_ms", "kernels_per_call")}
+                for r in lines if r["kind"] == "sample"]}
     latest = max(calls)
     summary = {"about": "nano-vllm's workload as its bench.py runs it (temperature 0.6, ignore_eos, 133,966 new "
                         "tokens; nano-vllm-greedy: the same draws, greedy), engines as its bench builds them, runs "
