@@ -67,7 +67,11 @@ def test_sixteen_streams_equal_the_offline_engine(engine, offline):
         last, want = outs[-1].outputs[0], r.outputs[0]
         assert outs[-1].finished and not any(o.finished for o in outs[:-1]), i
         assert (last.text, last.token_ids, last.finish_reason) == (want.text, want.token_ids, want.finish_reason), i
-        assert last.logprobs == want.logprobs, i
+        # the same tokens, and logprobs equal to float32 rounding: the streams join the batch at other steps than
+        # the offline run's, so a row meets other batch shapes in the matmuls
+        assert (last.logprobs is None) == (want.logprobs is None) and len(last.logprobs or []) == len(want.logprobs or []), i
+        for got, ref_lp in zip(last.logprobs or [], want.logprobs or []):
+            assert got.keys() == ref_lp.keys() and all(abs(got[t] - ref_lp[t]) <= 1e-4 for t in got), i
         texts = [o.outputs[0].text for o in outs]
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), f"stream {i}: a text shrank: {texts}"
         counts = [len(o.outputs[0].token_ids) for o in outs]
