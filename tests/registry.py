@@ -41,7 +41,7 @@ The features (the step that brings each one in is where its lesson is tested in 
     cuda_graphs         cuda_graphs.py: the decode forward captured per batch bucket and replayed; enforce_eager
     fused_sampler       kernels/sampling.py: the draw and the chosen tokens' logprobs as one kernel (no filters)
     tensor_parallel     tensor_parallel_size: the model sharded over N ranks (parallel.py), all-reduces per layer
-    async_engine        engine.py's AsyncLLM: async generate() streams cumulative outputs, abort(request_id)
+    async_engine        async_llm.py's AsyncLLM: async generate() streams cumulative outputs, abort(request_id)
     openai_server       serve.py: the OpenAI API (completions, chat completions, streaming) over HTTP
 """
 from __future__ import annotations

@@ -73,7 +73,7 @@ def test_sharded_weights_reassemble_to_the_full_tensors(model, size):
     full = {}
     for f in files:
         full.update(load_file(f))
-    shards = [p.load_shard(files, rank, size, torch.device("cpu"), torch.float32) for rank in range(size)]
+    shards = [step_module(TP, "model").load_shard(files, rank, size, torch.device("cpu"), torch.float32) for rank in range(size)]
     config = step_module(TP, "model").ModelConfig.from_json(model_dir / "config.json")
     for name, tensor in full.items():
         parts = [s[name] for s in shards]
@@ -171,7 +171,7 @@ def test_workers_keep_rank_0s_rows_and_the_broadcast_carries_only_new_blocks(mon
                      sum(len(seq.block_table) for seq, _ in work), packed.numel()))
         return packed
 
-    monkeypatch.setattr(p, "pack_work", counted)  # rank 0's Workers.start_step packs with it
+    monkeypatch.setattr(step_module(TP, "worker"), "pack_work", counted)  # rank 0's Workers.start_step packs with it
     prompts = shared_prefix_prompts(49152, num=5)
     params = [SamplingParams(temperature=0, max_tokens=18 + 3 * i, ignore_eos=True, logprobs=1) for i in range(5)]
     options = dict(device="cpu", dtype="float32", max_kv_tokens=128, max_num_seqs=4, max_num_batched_tokens=64)

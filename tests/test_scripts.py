@@ -107,6 +107,86 @@ def test_the_import_check_sees_names_loaded_at_run_time(tmp_path):
     assert step_names_in_code(probe) == {"step16", "steps.<computed>"}
 
 
+# A step's modules, lowest layer first. A module may import modules of its own layer or a lower one, never a higher
+# one, and the imports (at the top of a file or inside a function) form no circle. A new module gets its place here.
+LAYERS = [
+    {"kernels.*"},  # the Triton kernels (steps 15 on)
+    {"sequence", "detokenizer", "scheduler", "block_manager", "sampler", "timers", "cuda_graphs", "parallel"},
+    {"model"},
+    {"model_runner", "attention"},  # the runner and the attention backends that build its metadata
+    {"worker"},  # a rank's build and the tensor-parallel worker processes (step22 on)
+    {"engine"},
+    {"async_llm"},  # the streaming engine (step23 on)
+    {"serve", "bench_serve", "run", "__init__"},  # what a user runs, and the package's own file
+]
+
+
+def step_imports(step: str) -> dict[str, set[str]]:
+    """{module: the modules of the same step it imports}, relative imports anywhere in the file; module names are
+    dotted paths inside the step ("kernels.decode")."""
+    import ast
+
+    folder = ROOT / "steps" / step
+    modules = {".".join(f.relative_to(folder).with_suffix("").parts): f for f in folder.rglob("*.py")}
+    graph = {}
+    for name, f in modules.items():
+        package = name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[:len(package) - (node.level - 1)]
+                targets = [base + node.module.split(".")] if node.module else [base + [a.name] for a in node.names]
+                found |= {".".join(t) for t in targets}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def layer_of(module: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if module in layer or (module.startswith("kernels.") and "kernels.*" in layer):
+            return i
+    raise AssertionError(f"{module}.py has no layer in tests/test_scripts.py's LAYERS: give it one")
+
+
+def import_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of imports (a -> b -> ... -> a), or None."""
+    state, path = {}, []
+
+    def visit(module):
+        state[module] = "open"
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (circle := visit(dep)):
+                return circle
+        state[module] = "done"
+        path.pop()
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (circle := visit(module)):
+            return circle
+    return None
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_steps_imports_form_no_circle_and_never_go_up_a_layer(step):
+    graph = step_imports(step)
+    layers = {m: layer_of(m) for m in graph}
+    upward = [f"{m} imports {d}" for m, deps in sorted(graph.items()) for d in sorted(deps) if layers[d] > layers[m]]
+    assert not upward, f"steps/{step}: a lower layer imports a higher one: {upward}"
+    circle = import_circle(graph)
+    assert circle is None, f"steps/{step}: the imports go round in a circle: {' -> '.join(circle)}"
+
+
+def test_the_layer_check_sees_a_circle_and_an_upward_import():
+    assert import_circle({"engine": {"model"}, "model": {"parallel"}, "parallel": {"engine"}}) == \
+        ["engine", "model", "parallel", "engine"]
+    assert import_circle({"engine": {"model"}, "model": set()}) is None
+    assert layer_of("parallel") < layer_of("engine") and layer_of("kernels.decode") == 0
+
+
 @pytest.mark.parametrize("step", STEPS)
 def test_run_py_has_the_shared_skeleton(step):
     text = (ROOT / "steps" / step / "run.py").read_text()

@@ -14,6 +14,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 import time
+import traceback
 
 import torch
 
@@ -23,6 +24,7 @@ from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
 from .model import ModelConfig, rank_config
+from .parallel import TIMEOUT_S, TensorParallel, WorkerError, free_port, rank_device
 
 
 def main() -> None:
@@ -153,8 +155,6 @@ def compare_sizes(args, sizes: list[int]) -> None:
           "logit bytes rank 0 received per token sampled; ms all-reduce/fwd: rank 0's time in all-reduce calls, waits "
           "for the other ranks included)")
     if len(sizes) > 1:
-        from .parallel import measure_all_reduce
-
         alone = measure_all_reduce(sizes[-1], str(device), [args.requests], hidden, dtype, iters=50)[args.requests]
         print(f"Alone (fresh processes, nothing else running), one all-reduce of a [{args.requests}, {hidden}] "
               f"{str(dtype).replace('torch.', '')} tensor between {sizes[-1]} processes takes {1000 * alone:.2f} ms on "
@@ -166,6 +166,68 @@ def compare_sizes(args, sizes: list[int]) -> None:
                   "and every all-reduce is a round trip between processes. It is what lets a model larger than one "
                   "device's memory run, and between GPUs joined by NVLink, what spreads a step's weight reads over "
                   "N devices.")
+
+
+# ---- what one all-reduce costs on this machine, alone (a probe of its own, not the engine's) -----------------------
+def measure_all_reduce(size: int, device: str, rows: list[int], hidden: int, dtype: torch.dtype,
+                       iters: int = 200) -> dict[int, float]:
+    """Seconds per all-reduce of a [rows, hidden] tensor between `size` fresh processes (spawned for this, in a
+    group of their own: nothing else runs), the median of 5 rounds of `iters` calls, for each rows. On CUDA the
+    ranks are GPUs 0..size-1 (NCCL) and each round ends with a synchronize, so the time is the GPU's."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_all_reduce_probe, daemon=True,
+                         args=(rank, size, init_method, device, rows, hidden, dtype, iters, results))
+             for rank in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        out = results.get(timeout=TIMEOUT_S)
+    finally:
+        for p in procs:
+            p.join(timeout=TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+    if isinstance(out, str):
+        raise WorkerError(f"the all-reduce probe failed:\n{out}")
+    return out
+
+
+def _all_reduce_probe(rank, size, init_method, device, rows, hidden, dtype, iters, results) -> None:
+    import statistics
+
+    import torch.distributed as dist
+
+    try:
+        dev = rank_device(torch.device(device), rank)
+        if dev.type == "cpu":
+            torch.set_num_threads(1)
+        TensorParallel.connect(rank, size, init_method, dev)
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        out = {}
+        for n in rows:
+            x = torch.ones(n, hidden, dtype=dtype, device=dev)
+            for _ in range(10):  # warm-up: connections made, buffers allocated
+                dist.all_reduce(x)
+            rounds = []
+            for _ in range(5):
+                sync()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    dist.all_reduce(x)
+                sync()
+                rounds.append((time.perf_counter() - start) / iters)
+            out[n] = statistics.median(rounds)
+        if rank == 0:
+            results.put(out)
+        dist.destroy_process_group()
+    except BaseException:
+        if rank == 0:
+            results.put(traceback.format_exc())
+        raise
 
 
 if __name__ == "__main__":

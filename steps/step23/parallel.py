@@ -17,25 +17,26 @@ How a layer is cut (Megatron-LM's split, https://arxiv.org/abs/1909.08053), for 
                              rank 0, the only rank that samples.
 
 Rank 0 is the engine (scheduler, block manager, sampler) in the user's process. Ranks 1..N-1 are worker processes
-(started with the spawn method), each running the same forward as rank 0 when rank 0 tells it to: every step,
-rank 0 rings a doorbell (a pipe per worker: "a step of this many numbers") and broadcasts the step's inputs as
-one int64 tensor (pack_work: each row's start, new tokens, length, and its block-table row with the blocks it got
-since its last step). A worker rebuilds the rows (StepRow) and calls its own model runner's execute, exactly what
-rank 0 runs; the collectives inside the forward meet rank 0's. Every worker keeps persistent block-table rows of its
-own (model_runner.py's BlockTables) and writes the new blocks into the rows rank 0 names, so a table crosses the
-pipe whole once, when its sequence takes a row, and then only block by block as it grows.
+(worker.py starts them with the spawn method), each running the same forward as rank 0 when rank 0 tells it to:
+every step, rank 0 rings a doorbell (a pipe per worker: "a step of this many numbers") and broadcasts the step's
+inputs as one int64 tensor (pack_work: each row's start, new tokens, length, and its block-table row with the blocks
+it got since its last step). A worker rebuilds the rows (StepRow) and calls its own model runner's execute, exactly
+what rank 0 runs; the collectives inside the forward meet rank 0's. Every worker keeps persistent block-table rows
+of its own (model_runner.py's BlockTables) and writes the new blocks into the rows rank 0 names, so a table crosses
+the pipe whole once, when its sequence takes a row, and then only block by block as it grows.
 
 A worker exits when the engine stops it (shutdown), when its parent process is gone (the pipe from rank 0 closes
 with the process that held its other end, however that process ended), or on an error (after sending the
-traceback to rank 0). Rank 0 checks its workers are alive before every
-step, and every collective has a timeout: a dead worker is an error on rank 0, not a hang.
+traceback to rank 0). Rank 0 checks its workers are alive before every step, and every collective has a timeout:
+a dead worker is an error on rank 0, not a hang.
+
+This module is the group and the cut: it imports nothing of the step's own. The model (model.py, whose loader
+reads a rank's shard), the runner and worker.py import it.
 """
 from __future__ import annotations
 
-import os
 import socket
 import time
-import traceback
 from datetime import timedelta
 
 import torch
@@ -93,33 +94,6 @@ def shard(name: str, full_shape, rank: int, size: int):
         per = full_shape[1] // size
         return 1, rank * per, (rank + 1) * per
     return None
-
-
-def load_shard(files, rank: int, size: int, device: torch.device, dtype: torch.dtype) -> dict:
-    """Rank `rank`'s share of the checkpoint's tensors (HF names), read slice by slice from the safetensors files:
-    a rank reads only its rows (columns) of each sharded tensor, never the whole. The vocab-parallel tensors are
-    padded with zero rows to ceil(vocab / N). With size 1 every tensor is read whole, as step21 loads them."""
-    from safetensors import safe_open
-
-    weights = {}
-    for f in files:
-        with safe_open(f, framework="pt") as handle:
-            for name in handle.keys():
-                part = handle.get_slice(name)
-                full_shape = part.get_shape()
-                cut = shard(name, full_shape, rank, size)
-                if cut is None:
-                    tensor = handle.get_tensor(name)
-                elif cut[0] == 0:
-                    tensor = part[cut[1]:cut[2]]
-                else:
-                    tensor = part[:, cut[1]:cut[2]]
-                if cut is not None and is_vocab_parallel(name):
-                    rows = vocab_rows(full_shape[0], size)
-                    if tensor.shape[0] < rows:  # the last rank's share: zero rows past the vocab
-                        tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
-                weights[name] = tensor.to(device=device, dtype=dtype)
-    return weights
 
 
 class TensorParallel:
@@ -277,7 +251,7 @@ def unpack_work(packed: torch.Tensor, tables) -> tuple[list[tuple[StepRow, int]]
     return work, changes
 
 
-# ---- the worker processes -------------------------------------------------------------------------------
+# ---- what the worker processes share with rank 0 ----------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -286,232 +260,3 @@ def free_port() -> int:
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker died, failed or did not answer: the engine cannot run a step without it."""
-
-
-class Workers:
-    """Rank 0's handle on ranks 1..N-1: starts them, rings their doorbells, stops them. Holds no reference to the
-    engine, so the engine's finaliser can stop them when the engine goes away."""
-
-    def __init__(self, size: int, device: torch.device, model_dir, options: dict, timeout_s: float = TIMEOUT_S):
-        import multiprocessing as mp
-
-        self.size, self.timeout_s = size, timeout_s
-        self.init_method = f"tcp://127.0.0.1:{free_port()}"
-        self.failed: str | None = None
-        self.processes, self.conns = [], []
-        ctx = mp.get_context("spawn")
-        for rank in range(1, size):
-            parent_end, child_end = ctx.Pipe()
-            p = ctx.Process(target=worker_main, name=f"tp-worker-{rank}", daemon=True,
-                            args=(rank, size, self.init_method, str(device), model_dir, options, child_end,
-                                  timeout_s))
-            p.start()
-            child_end.close()
-            self.processes.append(p)
-            self.conns.append(parent_end)
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
-
-    def wait_started(self) -> None:
-        """Every worker has started (its imports done) and is joining the group: wait for each one's word."""
-        self._wait_all("hello")
-
-    def wait_ready(self) -> None:
-        """Every worker has loaded its shard and built its cache (and graphs): wait for each one's word."""
-        self._wait_all("ready")
-
-    def _wait_all(self, word: str) -> None:
-        for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
-            self._expect(rank, p, conn, word)
-
-    def _expect(self, rank: int, p, conn, word: str):
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if conn.poll(0.1):
-                try:
-                    kind, detail = conn.recv()
-                except EOFError:
-                    break
-                if kind == word:
-                    return detail
-                self._fail(f"tensor-parallel worker {rank} (pid {p.pid}) failed:\n{detail}")
-            if not p.is_alive():
-                break
-        self.check_alive()
-        self._fail(f"tensor-parallel worker {rank} (pid {p.pid}) did not get {word} within {self.timeout_s:.0f} s")
-
-    def _fail(self, message: str):
-        self.failed = self.failed or message
-        raise WorkerError(message)
-
-    def stop_steps(self, reason: str) -> None:
-        """No step may run any more (the ranks are out of step): every later step raises WorkerError(reason)."""
-        self.failed = self.failed or reason
-
-    def failure(self, wait_s: float) -> str | None:
-        """What a worker reported or how it ended, waiting up to wait_s for it: after rank 0's own build failed (a
-        worker's error usually comes first, and rank 0's collective only saw the connection close). None: none."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
-                try:
-                    if conn.poll(0):
-                        kind, detail = conn.recv()
-                        if kind == "error":
-                            return f"tensor-parallel worker {rank} (pid {p.pid}) failed:\n{detail}"
-                except (EOFError, OSError):
-                    pass
-                if not p.is_alive():
-                    return f"tensor-parallel worker {rank} (pid {p.pid}) died with exit code {p.exitcode}"
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.1)
-
-    def check_alive(self) -> None:
-        """Raise WorkerError if a worker is gone or failed (or did before): checked before every step."""
-        if self.failed:
-            raise WorkerError(self.failed + " (the engine stopped: shutdown() it and make a new LLM)")
-        failure = self.failure(wait_s=0)
-        if failure:
-            self._fail(failure)
-
-    def start_step(self, tp: TensorParallel, work, changes) -> None:
-        """Ring every doorbell (the size of the step's inputs), then broadcast the inputs (the work and its
-        block-table changes): the workers run the same forward as rank 0 from here."""
-        self.check_alive()
-        packed = pack_work(work, changes)
-        try:
-            for conn in self.conns:
-                conn.send(("step", packed.numel()))
-            tp.broadcast_inputs(packed, packed.numel())
-        except Exception as e:  # a pipe or a socket closed under us: a worker went away mid-step
-            # its end may show a moment after its socket closed (a killed process is reaped after the reset)
-            self._fail(self.failure(wait_s=1) or f"tensor-parallel step failed: {e}")
-
-    def block_tables(self) -> list[dict[int, list[int]]]:
-        """Each worker's block-table rows as it holds them now, {row: its blocks} (BlockTables.held), asked between
-        steps: what a test compares with rank 0's own rows. A worker hears of no release: a row rank 0 has freed
-        keeps its last table there until rank 0 hands the row out again, whole from its first entry."""
-        self.check_alive()
-        for conn in self.conns:
-            conn.send(("tables", None))
-        return [self._expect(rank, p, conn, "tables")
-                for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1)]
-
-    def shutdown(self) -> None:
-        """Stop every worker and wait for it (stop words first, then SIGTERM, then SIGKILL); idempotent."""
-        for conn in self.conns:
-            try:
-                conn.send(("stop", None))
-            except (OSError, ValueError):
-                pass
-        for p in self.processes:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for conn in self.conns:
-            conn.close()
-        self.conns = []
-        self.failed = self.failed or "the engine was shut down"
-
-
-def worker_main(rank: int, size: int, init_method: str, device: str, model_dir, options: dict, conn,
-                timeout_s: float) -> None:
-    """A worker's life: join the group, build this rank's model runner (the same build as rank 0's, collective for
-    collective), say ready, then run every step rank 0 announces until told to stop or orphaned."""
-    from .engine import build_rank
-
-    try:
-        conn.send(("hello", os.getpid()))
-        device = rank_device(torch.device(device), rank)
-        if device.type == "cpu":  # the ranks share the machine's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        tp = TensorParallel.connect(rank, size, init_method, device, timeout_s)
-        runner, _, _ = build_rank(model_dir, device, tp, **options)
-        conn.send(("ready", None))
-        while True:
-            kind, numel = conn.recv()  # the doorbell; EOFError once rank 0's process is gone
-            if kind == "stop":
-                tp.close()
-                return
-            if kind == "tables":  # rank 0 asks for this worker's block-table rows
-                conn.send(("tables", runner.block_tables.held()))
-                continue
-            work, changes = unpack_work(tp.broadcast_inputs(None, numel), runner.block_tables)
-            runner.execute(work, changes)
-    except (EOFError, KeyboardInterrupt):
-        return
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except OSError:
-            pass
-        raise SystemExit(1)
-
-
-# ---- what one all-reduce costs on this machine, alone --------------------------------------------------------
-def measure_all_reduce(size: int, device: str, rows: list[int], hidden: int, dtype: torch.dtype,
-                       iters: int = 200) -> dict[int, float]:
-    """Seconds per all-reduce of a [rows, hidden] tensor between `size` fresh processes (spawned for this, in a
-    group of their own: nothing else runs), the median of 5 rounds of `iters` calls, for each rows. On CUDA the
-    ranks are GPUs 0..size-1 (NCCL) and each round ends with a synchronize, so the time is the GPU's."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_all_reduce_probe, daemon=True,
-                         args=(rank, size, init_method, device, rows, hidden, dtype, iters, results))
-             for rank in range(size)]
-    for p in procs:
-        p.start()
-    try:
-        out = results.get(timeout=TIMEOUT_S)
-    finally:
-        for p in procs:
-            p.join(timeout=TIMEOUT_S)
-            if p.is_alive():
-                p.kill()
-    if isinstance(out, str):
-        raise WorkerError(f"the all-reduce probe failed:\n{out}")
-    return out
-
-
-def _all_reduce_probe(rank, size, init_method, device, rows, hidden, dtype, iters, results) -> None:
-    import statistics
-
-    import torch.distributed as dist
-
-    try:
-        dev = rank_device(torch.device(device), rank)
-        if dev.type == "cpu":
-            torch.set_num_threads(1)
-        TensorParallel.connect(rank, size, init_method, dev)
-        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-        out = {}
-        for n in rows:
-            x = torch.ones(n, hidden, dtype=dtype, device=dev)
-            for _ in range(10):  # warm-up: connections made, buffers allocated
-                dist.all_reduce(x)
-            rounds = []
-            for _ in range(5):
-                sync()
-                start = time.perf_counter()
-                for _ in range(iters):
-                    dist.all_reduce(x)
-                sync()
-                rounds.append((time.perf_counter() - start) / iters)
-            out[n] = statistics.median(rounds)
-        if rank == 0:
-            results.put(out)
-        dist.destroy_process_group()
-    except BaseException:
-        if rank == 0:
-            results.put(traceback.format_exc())
-        raise

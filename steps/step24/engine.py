@@ -1,52 +1,44 @@
-"""step23: the offline engine of a streaming one. async_llm.py's AsyncLLM runs this LLM in a thread of its own and
-streams each request's outputs; the LLM gains what a stream needs: step(partial=True) also returns the requests
-that got a token and go on (their text held back by the longest stop string's length minus one, so a later stop
-string never has to take back text already sent), add_request takes the caller's request_id, and abort_request
-returns what it dropped.
-
-step22: tensor parallelism. `LLM(..., tensor_parallel_size=N)` (vLLM's name; default 1) splits the model over N
-ranks (parallel.py): this process is rank 0, the engine (scheduler, block manager, sampler), and N - 1 worker
-processes, started with the spawn method, each hold their share of every layer and of the KV cache. Each step rank
-0 broadcasts the step's inputs and every rank runs the same forward, joined by two all-reduces per layer
-(torch.distributed: NCCL between GPUs, one per rank; gloo between CPU processes). The logits are gathered on rank
-0, which samples. `llm.shutdown()`, the engine going away (`__del__`) and this process exiting all stop the
-workers; a worker that dies is an error at the next step. With N = 1 there is no worker and no collective: the
-engine is step21's.
-
-step21: CUDA graphs. step20's engine, with the decode forward recorded once per batch-size bucket and replayed
-(cuda_graphs.py): a step of decodes only costs the host one graph launch instead of ~360 kernel launches. The
-batch is padded to the next captured size (1, 2, 4, 8, then every 8), its inputs copied into static buffers from
-pinned staging; padding rows write to a scratch block. Steps with prompt chunks run eagerly, as before.
-`enforce_eager` (vLLM's name; default False) turns graphs off. Graphs need CUDA and the kernels' attention
-backend: on a CPU, or with attention_backend="torch", the engine runs eagerly and says so (llm.cuda_graphs).
-
-Once the forward is one launch, the host work around it is what the GPU waits for, so that is cut too: no wait
-for the GPU in a step except the one that reads the sampled tokens (sampling runs on the device, sampler.py;
-model_runner.py's read_back), and sequences compare by identity (sequence.py), which took the scheduler's list
-lookups from O(fields) to O(1) each. With enforce_eager=True the outputs equal step20's.
-
-step20: an int8 KV cache. step19's engine with `kv_cache_dtype` (vLLM's name): "auto" (the default) keeps K
-and V in the model's dtype, exactly as before; "int8" stores them as int8 with one fp32 scale per (token, KV
-head), scale = max|x| / 127 over the head's head_dim elements (model.py: quantize_kv on write, dequantize_kv on
-the torch path's gather; the kernels dequantise each tile they load). A token's K/V take a little more than half
-the bytes of bf16 (head_dim + 4 bytes per row instead of 2 x head_dim), so the pool sized from the same memory
-holds about 1.9x the tokens; the price is a small rounding error in every key and value.
-
-From step18 and step19: every row of a step (decodes and prefill chunks alike) is attended by one kernel launch per
-layer (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs
-flash decoding (kernels/decode.py); the layer's small operators run as three fused kernels (kernels/fused.py).
-`attention_backend` picks the kernels ("triton", the default on CUDA) or plain torch ("torch", the default
-elsewhere; the kernels run on a CPU only in Triton's interpreter).
-
-The anatomy is step14's:
+"""The offline engine, LLM: requests in, RequestOutputs out. add_request makes a Sequence; each step() asks the
+scheduler which sequences run and with how many tokens, has the model runner run one forward for all of them and
+sample, then grows the sequences, finishes those that are done (their blocks freed) and returns the outputs.
+generate() and chat() are add_request plus step() until every request is done. engine.py only wires the parts:
 
     sequence.py       one request's state (status, tokens, num_computed_tokens, block table)
     scheduler.py      which sequences run in the next step, and how many tokens each
     block_manager.py  which cache blocks hold which tokens (paged KV, prefix caching)
     model_runner.py   sequences -> tensors, the forward, the sampler; owns the model and the KV cache
     attention.py      how attention runs, one object per backend: its metadata per step, its math per layer
+    worker.py         one rank's build (its share of the model, the backend, the KV cache, the CUDA graphs) and
+                      the tensor-parallel worker processes
+    parallel.py       how the model is cut over N ranks, and the collectives that join them
 
-and engine.py only wires them. With kv_cache_dtype="auto" the outputs equal step19's.
+Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
+the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto" or "int8"), enforce_eager (False:
+decode steps replay CUDA graphs where they can; llm.cuda_graphs says whether they do and why not) and
+tensor_parallel_size (default 1: no worker, no collective).
+
+Added by step, oldest first (each step's outputs equal the one before it, with the option that turns it off):
+- step18: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
+  (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs flash
+  decoding (kernels/decode.py).
+- step19: the layer's small operators run as three fused kernels (kernels/fused.py).
+- step20: kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
+  (model.py's quantize_kv and dequantize_kv; the kernels dequantise each tile they load): about 1.9x the tokens in
+  the same memory, for a small rounding error in every key and value. "auto" keeps the model's dtype.
+- step21: CUDA graphs. The decode forward is recorded once per batch-size bucket (1, 2, 4, 8, then every 8) and
+  replayed (cuda_graphs.py): one graph launch for the host instead of a kernel launch per operator. The batch is
+  padded to its bucket, its inputs copied into static buffers from pinned staging; padding rows write to a scratch
+  block. Steps with prompt chunks run eagerly. The host work around the forward is cut too: one wait for the GPU
+  per step, to read the sampled tokens (model_runner.py's read_back), and sequences compare by identity.
+- step22: tensor parallelism. This process is rank 0 (scheduler, block manager, sampler); N - 1 worker processes
+  (worker.py, started with the spawn method) hold their share of every layer and of the KV cache. Each step rank 0
+  broadcasts the step's inputs and every rank runs the same forward, joined by two all-reduces per layer (NCCL
+  between GPUs, gloo between CPU processes); the logits are gathered on rank 0, which samples. shutdown(), the
+  engine going away and this process exiting all stop the workers; a worker that dies is an error at the next step.
+- step23: what a streaming engine needs (async_llm.py's AsyncLLM runs this LLM in a thread of its own):
+  step(partial=True) also returns the requests that got a token and go on, their text held back by the longest stop
+  string's length minus one, so that a later stop string never takes back text already sent; add_request takes the
+  caller's request_id; abort_request returns what it dropped.
 """
 from __future__ import annotations
 
@@ -59,17 +51,15 @@ from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams
                     check_engine_options, check_length, normalize_prompts, normalize_sampling_params,
                     resolve_device_dtype, resolve_model)
 
-from .attention import BACKENDS
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
-from .model import KV_CACHE_DTYPES, CausalLM, ModelConfig, check_kv_cache_dtype  # noqa: F401
-from .model_runner import (CPU_DEFAULT_KV_TOKENS, ModelRunner, kv_bytes_per_token, kv_pool_blocks,  # noqa: F401
-                           to_device)
-from .parallel import TensorParallel, WorkerError, Workers, check_tensor_parallel_size, rank_device
+from .model import KV_CACHE_DTYPES, ModelConfig, check_kv_cache_dtype  # noqa: F401
+from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks, to_device  # noqa: F401
+from .parallel import TensorParallel, WorkerError, check_tensor_parallel_size, rank_device
 from .sampler import request_seed
 from .scheduler import Scheduler
 from .sequence import Finish, Sequence, SequenceStatus
-from .timers import PhaseTimers
+from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
 
 RequestStatus = SequenceStatus  # the name steps 05-13 exported; same states
 
@@ -79,17 +69,6 @@ def check_enforce_eager(enforce_eager) -> bool:
     if not isinstance(enforce_eager, bool):
         raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
     return enforce_eager
-
-
-def graphs_off_reason(enforce_eager: bool, device: torch.device, attention_backend: str) -> str | None:
-    """Why this engine runs without CUDA graphs, or None when it captures them."""
-    if enforce_eager:
-        return "enforce_eager=True"
-    if device.type != "cuda":
-        return f"the device is {device.type}: CUDA graphs need a CUDA GPU"
-    if attention_backend != "triton":
-        return "attention_backend='torch' builds each step's metadata on the host, so it cannot be replayed"
-    return None
 
 
 def choose_attention_backend(asked: str | None, device: torch.device) -> str:
@@ -108,60 +87,6 @@ def choose_attention_backend(asked: str | None, device: torch.device) -> str:
     if asked == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attention_backend='triton' on the CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1")
     return asked
-
-
-def new_stats() -> dict:
-    """The engine's counters. rows: summed. step21: graph_replays (forwards replayed from a graph), eager_forwards,
-    padded_rows (rows added to fill a bucket), syncs (waits for the GPU: one per step that samples, on CUDA)."""
-    return {"prefill_chunks": 0, "decode_steps": 0, "decode_rows": 0, "forwards": 0, "graph_replays": 0,
-            "eager_forwards": 0, "padded_rows": 0, "syncs": 0}
-
-
-def build_rank(model_dir, device: torch.device, tp: TensorParallel, dtype: torch.dtype, attention_backend: str,
-               kv_cache_dtype: str, enforce_eager: bool, max_num_seqs: int, max_kv_tokens: int | None,
-               block_size: int, warmup_tokens: int, gpu_memory_utilization: float):
-    """One rank's model runner: its share of the model, the attention backend, the KV cache (sized, on CUDA, by a
-    profiled forward) and the CUDA graphs. Rank 0 (the engine) and every worker run this same build, so the
-    collectives in its forwards meet. -> (runner, memory, cuda_graphs)."""
-    model = CausalLM.from_pretrained(model_dir, device, dtype, tp)
-    # One object decides how attention runs: its metadata every step (the runner), its attention every layer
-    # (the model). attention.py: TorchAttention (step14_7's loop) or TritonAttention (the kernels).
-    model.attention_backend = BACKENDS[attention_backend](model.config, device)
-    if attention_backend == "triton":  # the kernels' path: the layer's elementwise groups fused too (kernels/fused.py)
-        from .kernels.fused import TritonLayerOps
-        model.ops = TritonLayerOps()
-    off = graphs_off_reason(enforce_eager, device, attention_backend)
-    runner = ModelRunner(model, device, dtype, PhaseTimers(device), new_stats(), kv_cache_dtype,
-                         use_graphs=off is None, max_num_seqs=max_num_seqs)
-    memory = runner.allocate_kv_cache(max_kv_tokens, block_size, warmup_tokens, gpu_memory_utilization)
-    # CUDA graphs: captured now, on the allocated cache (the graphs record its addresses)
-    graphs = {"enabled": off is None, "reason": off}
-    if off is None:
-        graphs.update(runner.capture_graphs(block_size))
-        memory["graph_pool_bytes"] = graphs["pool_bytes"]
-    return runner, memory, graphs
-
-
-def start_tensor_parallel(size: int, device: torch.device, model_dir, options: dict):
-    """Start the N - 1 workers and join the group as rank 0. -> (Workers, rank 0's TensorParallel)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        raise RuntimeError("a tensor-parallel engine is already running in this process: shutdown() it first "
-                           "(torch.distributed holds one group per process)")
-    workers = Workers(size, device, model_dir, options)
-    try:
-        workers.wait_started()
-        tp = TensorParallel.connect(0, size, workers.init_method, rank_device(device, 0), workers.timeout_s)
-    except BaseException:
-        workers.shutdown()
-        raise
-    return workers, tp
-
-
-def stop_tensor_parallel(workers: Workers, tp: TensorParallel) -> None:
-    workers.shutdown()
-    tp.close()
 
 
 class LLM:

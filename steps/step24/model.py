@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .parallel import TensorParallel, load_shard
+from .parallel import TensorParallel, is_vocab_parallel, shard, vocab_rows
 
 
 SUPPORTED = ("llama", "qwen3")
@@ -205,6 +205,33 @@ def rank_config(config: ModelConfig, size: int) -> ModelConfig:
                    intermediate_size=config.intermediate_size // size)
 
 
+def load_shard(files, rank: int, size: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """Rank `rank`'s share of the checkpoint's tensors (HF names), read slice by slice from the safetensors files:
+    a rank reads only its rows (columns) of each sharded tensor, never the whole. The vocab-parallel tensors are
+    padded with zero rows to ceil(vocab / N). With size 1 every tensor is read whole, as step21 loads them."""
+    from safetensors import safe_open
+
+    weights = {}
+    for f in files:
+        with safe_open(f, framework="pt") as handle:
+            for name in handle.keys():
+                part = handle.get_slice(name)
+                full_shape = part.get_shape()
+                cut = shard(name, full_shape, rank, size)
+                if cut is None:
+                    tensor = handle.get_tensor(name)
+                elif cut[0] == 0:
+                    tensor = part[cut[1]:cut[2]]
+                else:
+                    tensor = part[:, cut[1]:cut[2]]
+                if cut is not None and is_vocab_parallel(name):
+                    rows = vocab_rows(full_shape[0], size)
+                    if tensor.shape[0] < rows:  # the last rank's share: zero rows past the vocab
+                        tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+                weights[name] = tensor.to(device=device, dtype=dtype)
+    return weights
+
+
 class CausalLM:
     """A Llama or a Qwen3: the same code, with q/k norms when config.qk_norm. step22: config and weights are this
     rank's share (rank_config), tp its place in the group (parallel.py; rank 0 of 1 when not split)."""
@@ -225,7 +252,7 @@ class CausalLM:
     @classmethod
     def from_pretrained(cls, model_dir: Path, device: torch.device, dtype: torch.dtype,
                         tp: TensorParallel | None = None) -> "CausalLM":
-        """Load this rank's share of the checkpoint (parallel.py's load_shard reads only its slices)."""
+        """Load this rank's share of the checkpoint (load_shard reads only its slices)."""
         tp = tp or TensorParallel()
         full = ModelConfig.from_json(Path(model_dir) / "config.json")
         config = rank_config(full, tp.size)
