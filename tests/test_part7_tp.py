@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from helpers import TP_LOGPROB_ATOL_FP32, compare_completions, load_engine, step_module
-from registry import introducing, last_before
+from registry import having, introducing, last_before
 from shared import SamplingParams, resolve_model
 
 TP = introducing("tensor_parallel")
@@ -281,6 +281,33 @@ def test_a_step_that_fails_on_rank_0_mid_forward_stops_the_engine():
     finally:
         llm.shutdown()
     assert child_processes() == set()
+
+
+@pytest.mark.parametrize("step", having("tensor_parallel"))
+def test_shutdown_frees_the_kv_cache_at_once_and_a_new_engine_builds_after_it(step):
+    """shutdown() lets go of the KV cache and the graphs itself: with the garbage collector off, the cache is gone
+    when it returns (an engine holds reference cycles, so without this its memory waits for a collection), a
+    shut-down engine refuses work with an error that says so, and a second engine builds and runs in the process."""
+    import weakref
+
+    LLM, params = load_engine(step).LLM, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM("random:tiny-llama", device="cpu", dtype="float32", max_kv_tokens=1024)
+        first = llm.generate(["build, shut down, build"], params)[0].outputs[0].token_ids
+        cache = weakref.ref(llm.runner.kv_cache)
+        llm.shutdown()
+        assert cache() is None, "shutdown() returned with the KV cache still held"
+        assert llm.runner.graphs is None and llm.model.kv_cache is None
+        with pytest.raises(RuntimeError, match="shut down"):
+            llm.generate(["after"], params)
+        llm.shutdown()  # idempotent
+        again = LLM("random:tiny-llama", device="cpu", dtype="float32", max_kv_tokens=1024)
+        assert again.generate(["build, shut down, build"], params)[0].outputs[0].token_ids == first
+        again.shutdown()
+    finally:
+        gc.enable()
 
 
 def test_no_worker_is_left_after_shutdown_or_when_the_engine_is_collected():

@@ -112,6 +112,7 @@ class LLM:
                        max_kv_tokens=max_kv_tokens, block_size=block_size,
                        warmup_tokens=min(max_num_batched_tokens, config.max_position_embeddings),
                        gpu_memory_utilization=gpu_memory_utilization)
+        self.is_shut_down = False  # shutdown() sets it: nothing runs after
         self.workers: Workers | None = None
         if self.tensor_parallel_size == 1:
             self.tp = TensorParallel()
@@ -160,10 +161,19 @@ class LLM:
         self.finished_outputs: list[RequestOutput] = []  # finished, not handed out yet (see generate)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and leave the group (nothing to do at tp=1); idempotent. Also run when
+        """Stop the tensor-parallel workers and leave the group, and free the KV cache and the CUDA graphs' memory
+        now (runner.release): the engine serves nothing after this. Idempotent. The workers are also stopped when
         the engine is garbage-collected and when the process exits."""
         if self._finalizer is not None:
             self._finalizer()
+        self.is_shut_down = True
+        if getattr(self, "runner", None) is not None:
+            self.runner.release()
+        self.kv_cache = None
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("LLM: this engine was shut down (shutdown() freed its KV cache): make a new LLM")
 
     def __del__(self):
         if getattr(self, "_finalizer", None) is not None:
@@ -211,6 +221,7 @@ class LLM:
                              f"= {bm.num_blocks} blocks of {bm.block_size}): it could never fit in the KV pool")
 
     def _add(self, text: str | None, ids: list[int], sp: SamplingParams) -> str:
+        self._check_running()
         request_id = str(self.next_request_id)
         self.next_request_id += 1
         self.scheduler.add(Sequence(request_id, text, ids, sp, request_seed(sp),
@@ -232,6 +243,7 @@ class LLM:
         chunk of its prompt otherwise), all in one forward within the token budget. Returns the requests that finished in this iteration,
         and any that finished earlier without being handed out (while another caller's generate() ran).
         An idle engine returns []."""
+        self._check_running()
         handed_out, self.finished_outputs = self.finished_outputs, []
         return handed_out + self._step()
 
