@@ -69,9 +69,12 @@ def check_engine_options(may_be_none: tuple[str, ...] = (), **options) -> None:
         raise ValueError(f"enable_prefix_caching must be True or False, got {options['enable_prefix_caching']!r}")
 
 
-def normalize_prompts(prompts, tokenizer, vocab_size: int) -> list[tuple[str | None, list[int]]]:
-    """Strings or lists of token ids (or one of either) -> [(prompt text or None, token ids)]."""
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+def normalize_prompts(prompts, tokenizer, vocab_size: int, one: bool = False) -> list[tuple[str | None, list[int]]]:
+    """Strings or lists of token ids (or one of either) -> [(prompt text or None, token ids)]. one=True: `prompts`
+    is [the one prompt of add_request], which is never unwrapped, so that a bare number is refused, not read as a
+    token id."""
+    bare = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+    if bare and not one:
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("prompts: give a string, a list of token ids, or a non-empty list of either")
@@ -94,7 +97,8 @@ def normalize_prompts(prompts, tokenizer, vocab_size: int) -> list[tuple[str | N
                     raise ValueError(f"prompts[{i}]: token id {t!r} is outside the vocabulary [0, {vocab_size})")
             result.append((None, list(p)))
         else:
-            raise ValueError(f"prompts[{i}]: expected a string or a list of token ids, got {type(p).__name__}")
+            raise ValueError(f"{'prompt' if one else f'prompts[{i}]'}: expected a string or a list of token ids, "
+                             f"got {type(p).__name__}")
     return result
 
 

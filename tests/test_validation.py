@@ -79,6 +79,9 @@ def test_params_changed_after_construction_are_checked_at_submission(step):
     if hasattr(llm, "add_request"):
         with pytest.raises(ValueError, match="max_tokens"):
             llm.add_request([1, 2], sp)
+        for bare in (12, True, None):  # one number is not a prompt (nor read as token id 12)
+            with pytest.raises(ValueError, match="prompt: expected a string or a list of token ids, got"):
+                llm.add_request(bare, SamplingParams(temperature=0, max_tokens=4))
         assert not llm.has_unfinished_requests(), "a refused request was queued"
     with pytest.raises(ValueError, match=r"conversations\[0\]: a message's content must be a string, got list"):
         llm.chat([{"role": "user", "content": ["What", "is", "this?"]}], SamplingParams(temperature=0))

@@ -97,7 +97,7 @@ class LLM:
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> str:
         """Queue one request (a string or token ids); it joins the running batch at a coming step()."""
-        (text, ids), = normalize_prompts([prompt], self.tokenizer, self.model.config.vocab_size)
+        (text, ids), = normalize_prompts([prompt], self.tokenizer, self.model.config.vocab_size, one=True)
         sp = normalize_sampling_params(sampling_params, 1, SamplingParams(temperature=0))[0]
         check_length(0, len(ids), sp, self.max_model_len)
         self._check_fits_kv_budget(0, len(ids), sp)

@@ -217,7 +217,7 @@ class LLM:
     def check_request(self, prompt, sampling_params: SamplingParams | None = None):
         """One request's checks, before anything is queued: -> (its text, its token ids, its SamplingParams).
         ValueError names what is wrong. Reads no engine state that a step changes (safe beside a running step)."""
-        (text, ids), = normalize_prompts([prompt], self.tokenizer, self.model.config.vocab_size)
+        (text, ids), = normalize_prompts([prompt], self.tokenizer, self.model.config.vocab_size, one=True)
         sp = normalize_sampling_params(sampling_params, 1, SamplingParams(temperature=0))[0]
         check_length(0, len(ids), sp, self.max_model_len)
         self._check_fits_kv_budget(0, len(ids), sp)
