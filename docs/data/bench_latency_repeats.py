@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from shared.cli import format_table  # noqa: E402
 from steps.step18.engine import LLM  # noqa: E402
-from steps.step18.run import latency_run, percentile  # noqa: E402
+from shared.stats import percentile  # noqa: E402
+from steps.step18.run import latency_run  # noqa: E402
 
 
 def main() -> None:

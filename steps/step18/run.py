@@ -18,6 +18,7 @@ from shared import SamplingParams
 from shared.anatomy import before_after, demo_options, interpreter_off_cuda, kernel_arg_parser, kernels_cannot_run
 from shared.anatomy import step_module
 from shared.cli import answer_question, format_table, print_header, user_errors
+from shared.stats import percentile
 
 from .engine import LLM
 
@@ -179,11 +180,6 @@ def show_no_phases(llm) -> None:
     print(format_table(["step", "decodes (1 token each)", "prompt chunk tokens", "tokens scheduled"], rows))
     print("The decodes get their token in every step; the prompt takes what is left of the budget, 61 tokens a step, "
           "until it is in.")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def latency_run(step: str, llm, decoders: int, decode_tokens: int, long_lens: tuple, budget: int) -> dict:

@@ -25,17 +25,22 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `shared` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from shared.stats import percentile  # noqa: E402
 
 
 def percentiles(values: list[float]) -> dict:
-    """mean, p50, p90, p99 (nearest rank on the sorted values), in ms; all None for no values."""
+    """mean, p50, p90, p99 (shared/stats.py's nearest rank), in ms; all None for no values."""
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
-    ordered = sorted(values)
-    rank = lambda q: ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]  # noqa: E731
-    return {"mean": 1000 * statistics.fmean(ordered), "p50": 1000 * rank(0.5), "p90": 1000 * rank(0.9),
-            "p99": 1000 * rank(0.99)}
+    return {"mean": 1000 * statistics.fmean(values), **{f"p{round(100 * q)}": 1000 * percentile(values, q)
+                                                        for q in (0.5, 0.9, 0.99)}}
 
 
 def random_prompts(num: int, input_len: int, seed: int = 0) -> list[list[int]]:
@@ -102,7 +107,9 @@ async def bench(base_url: str, model: str, rate: float, prompts: list[list[int]]
             "completed": len(done), "failed": len(results) - len(done),
             "errors": sorted({r["error"] for r in results if "error" in r})[:3], "duration_s": duration,
             "request_throughput": len(done) / duration, "output_throughput": output / duration,
-            "total_token_throughput": (output + sum(len(p) for p in prompts[:len(done)])) / duration,
+            # the prompt tokens of the requests that completed (a failed request's prompt is not counted)
+            "total_token_throughput": (output + sum(len(p) for p, r in zip(prompts, results) if "error" not in r))
+                                      / duration,
             "output_tokens": output, "ttft_ms": percentiles([r["chunks"][0] for r in done]),
             "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl), "e2e_ms": percentiles([r["e2e"] for r in done])}
 
