@@ -178,7 +178,10 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
     if llm.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     runs = []
+    reset = getattr(getattr(llm, "block_manager", None), "reset_prefix_cache", None)  # step09 on
     for _ in range(repeat):
+        if reset is not None:  # every run from a cold prefix cache: a repeat must not reuse the run before's blocks
+            reset()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         _sync(llm.device)

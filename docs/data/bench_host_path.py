@@ -47,6 +47,9 @@ def sync(device: str) -> None:
 
 
 def timed_generate(llm, prompts, params, device: str) -> float:
+    """One timed generate from a cold prefix cache, as nano-vllm's bench.py times its one run: a repeat of the
+    same prompts must not find their blocks cached by the run before (the prefill would be skipped)."""
+    llm.block_manager.reset_prefix_cache()
     sync(device)
     start = time.perf_counter()
     llm.generate(prompts, params)
