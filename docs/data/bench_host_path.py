@@ -105,7 +105,7 @@ def main() -> None:
     runs: dict[tuple, list] = {}
     for repeat in range(args.repeats):
         for name, (prompts, params) in workloads.items():
-            for step, llm in engines.items():
+            for step, llm in rotated(engines, repeat):  # each step takes each place in the order in turn
                 before = dict(llm.stats)
                 seconds = timed_generate(llm, prompts, params, args.device)
                 tokens = sum(sp.max_tokens for sp in params)
@@ -124,26 +124,40 @@ def main() -> None:
     for temperature in (0.6, 0.0):
         sp = SamplingParams(temperature=temperature, max_tokens=args.batch1_tokens, ignore_eos=True)
         batch1: dict[str, list] = {}
-        for _ in range(args.repeats):
-            for step, llm in engines.items():
+        for repeat in range(args.repeats):
+            for step, llm in rotated(engines, repeat):
                 batch1.setdefault(step, []).append(args.batch1_tokens / timed_generate(llm, [prompt], sp, args.device))
         for step, values in batch1.items():
             emit({**common, "kind": "batch1", "step": step, "temperature": temperature, "prompt_tokens": len(prompt),
                   "new_tokens": args.batch1_tokens, "tokens_per_s": statistics.median(values), "all": values},
                  args.out)
-    prompts, params = workloads["nano-vllm"]
+    batch1_work = {f"batch1-{t}": ([prompt], [SamplingParams(temperature=t, max_tokens=args.batch1_tokens,
+                                                             ignore_eos=True)]) for t in (0.6, 0.0)}
     for step, llm in engines.items():
-        # by phase: one run of the sampled workload with the phase timers waiting for the GPU at each phase's end
-        llm.timers.reset()
-        llm.timers.sync = True
-        seconds = timed_generate(llm, prompts, params, args.device)
-        llm.timers.sync = False
-        steps = max(llm.timers.steps, 1)
-        emit({**common, "kind": "phases", "step": step, "workload": "nano-vllm", "engine_steps": llm.timers.steps,
-              "seconds": seconds, "ms_per_step": {name: s * 1000 / steps for name, s in llm.timers.seconds.items()}},
-             args.out)
+        # by phase: one run of each workload with the phase timers waiting for the GPU at each phase's end
+        for name, (prompts, params) in {**workloads, **batch1_work}.items():
+            llm.timers.reset()
+            llm.timers.sync = True
+            seconds = timed_generate(llm, prompts, params, args.device)
+            llm.timers.sync = False
+            steps = max(llm.timers.steps, 1)
+            emit({**common, "kind": "phases", "step": step, "workload": name, "engine_steps": llm.timers.steps,
+                  "seconds": seconds, "ms_per_step": {k: s * 1000 / steps for k, s in llm.timers.seconds.items()}},
+                 args.out)
         if args.device == "cuda":
-            emit({**common, **gpu_busy(llm, prompts, params, args.busy_steps)}, args.out)
+            emit({**common, **gpu_busy(llm, *workloads["nano-vllm"], args.busy_steps), "workload": "nano-vllm"},
+                 args.out)
+            # batch 1: one request's decode steps (its prefill is step 0), at 0.6
+            emit({**common, **gpu_busy(llm, *batch1_work["batch1-0.6"], (20, 220)), "workload": "batch1-0.6"},
+                 args.out)
+
+
+def rotated(engines: dict, shift: int) -> list:
+    """The engines in their order, started `shift` places on: over as many repeats as engines, each step runs
+    first, second, ... once, so a place in the order (after a slower engine, say) weighs on every step alike."""
+    items = list(engines.items())
+    shift %= len(items)
+    return items[shift:] + items[:shift]
 
 
 def gpu_busy(llm, prompts, params, window: tuple[int, int]) -> dict:

@@ -36,19 +36,29 @@ def main() -> None:
                 call["batch1"].setdefault(step, {})["greedy" if r["temperature"] == 0 else "sampled"] = {
                     "temperature": r["temperature"],
                     "tokens_per_s": r["tokens_per_s"], "runs": r["all"], "new_tokens": r["new_tokens"]}
-            elif r["kind"] == "phases":
-                call["phases"][step] = {"engine_steps": r["engine_steps"],  # phase names with _ for spaces
-                                        "ms_per_step": {k.replace(" ", "_"): v for k, v in r["ms_per_step"].items()}}
+            elif r["kind"] == "phases":  # phases.STEP: the sampled workload; by_workload.WORKLOAD.STEP: every one
+                phases = {"engine_steps": r["engine_steps"],  # phase names with _ for spaces
+                          "ms_per_step": {k.replace(" ", "_"): v for k, v in r["ms_per_step"].items()}}
+                workload = r.get("workload", "nano-vllm")
+                if workload == "nano-vllm":
+                    call["phases"][step] = phases
+                call.setdefault("phases_by_workload", {}).setdefault(workload, {})[step] = phases
             elif r["kind"] == "gpu_busy":
-                call["gpu_busy"][step] = {k: r[k] for k in ("engine_steps", "running_rows", "ms_per_step",
-                                                            "gpu_busy_ms_per_step", "gpu_busy_share",
-                                                            "kernels_per_step")}
-    # hf_cb.txt holds the BENCH_JSON line's first 700 characters (the call cut it): its fields are read by name
-    line = next(line for line in (RAW / "hf_cb.txt").read_text().splitlines() if line.startswith("BENCH_JSON"))
-    calls["host_path_b"]["hf_cb"] = {"command": "python -m shared.bench --hf cb --model random:qwen3-0.6b "
-                                                "--device cuda --workload nano-vllm --repeat 1",
-                                     "tokens_per_s": float(re.search(r'"tokens_per_s": ([0-9.]+)', line).group(1)),
-                                     "backend": re.search(r'"backend": "([^"]*)"', line).group(1)}
+                busy = {k: r[k] for k in ("engine_steps", "running_rows", "ms_per_step", "gpu_busy_ms_per_step",
+                                          "gpu_busy_share", "kernels_per_step")}
+                workload = r.get("workload", "nano-vllm")
+                if workload == "nano-vllm":
+                    call["gpu_busy"][step] = busy
+                call.setdefault("gpu_busy_by_workload", {}).setdefault(workload, {})[step] = busy
+    # HF's continuous batching on the same workload: hf_cb.txt ran in host_path_b, hf_cb_X.txt in host_path_X.
+    # Its BENCH_JSON line's fields are read by name (hf_cb.txt holds only the line's first 700 characters).
+    for path in sorted(RAW.glob("hf_cb*.txt")):
+        stem = "host_path_" + (path.stem.split("_")[-1] if path.stem != "hf_cb" else "b")
+        line = next(line for line in path.read_text().splitlines() if line.startswith("BENCH_JSON"))
+        calls[stem]["hf_cb"] = {"command": "python -m shared.bench --hf cb --model random:qwen3-0.6b "
+                                           "--device cuda --workload nano-vllm --repeat 1",
+                                "tokens_per_s": float(re.search(r'"tokens_per_s": ([0-9.]+)', line).group(1)),
+                                "backend": re.search(r'"backend": "([^"]*)"', line).group(1)}
     env = (RAW / "env.txt").read_text().split()
     for stem, call in calls.items():  # a call's own device line, where it has one (env_c.txt for host_path_c)
         own = RAW / f"env_{stem.rsplit('_', 1)[-1]}.txt"
