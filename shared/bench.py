@@ -148,11 +148,23 @@ def step_engine_options(step: str) -> set[str]:
     raise ValueError(f"{step}: engine.py has no LLM.__init__")
 
 
+def warm_up(llm, prompts: list, params: list[SamplingParams]) -> None:
+    """Untimed, before the timed runs. On CUDA: the workload itself, once. Triton compiles a kernel on its first
+    call for each new specialisation (tile sizes, the int8 or the model's dtype, arguments' alignment), and which
+    ones a run needs depends on its prompts, batch sizes, context lengths (flash decoding's splits) and sampling
+    parameters (the fused draw, the filters): only the same workload meets them all, so no timed run compiles.
+    Elsewhere nothing compiles (the torch path, or Triton's interpreter): one short request."""
+    if llm.device.type == "cuda":
+        llm.generate(prompts, params)
+    else:
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))
+
+
 def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "standard", max_tokens: int = 128,
               repeat: int | None = None, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
               max_kv_tokens: int | None = None, kv_cache_dtype: str | None = None,
               enforce_eager: bool | None = None, tensor_parallel_size: int | None = None) -> dict:
-    """Run the workload `repeat` times (default: 3 on CUDA, 1 on CPU) after a warm-up; report the median run.
+    """Run the workload `repeat` times (default: 3 on CUDA, 1 on CPU) after warm_up; report the median run.
     max_num_seqs (the engine's seats), max_num_batched_tokens, max_kv_tokens: engine options (None: the step's
     default); a step whose LLM has no such option refuses it. HF's padded batch always holds every request."""
     import importlib
@@ -173,7 +185,7 @@ def run_bench(step: str, model: str, device=None, dtype=None, workload: str = "s
     if repeat is None:
         repeat = 3 if llm.device.type == "cuda" else 1  # the CPU runs are long and steady; the GPU's are short
     _progress(f"{step}: warm-up, then {repeat} run(s) of {len(prompts)} requests on {llm.device} ...")
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    warm_up(llm, prompts, params)
     _sync(llm.device)
     if llm.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -331,7 +343,7 @@ def run_hf_bench(model: str, device=None, dtype=None, workload: str = "standard"
         repeat = 3 if device.type == "cuda" else 1
     _progress(f"{HF_LABEL}: warm-up, then {repeat} run(s) of {len(prompt_ids)} requests in one padded batch "
               f"(max_new_tokens={max_new}) on {device} ...")
-    generate(prompt_ids[:1], 2)  # warm-up, as run_bench
+    generate(prompt_ids[:1], 2)  # warm-up: HF runs eager PyTorch, which compiles nothing per shape
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -458,7 +470,7 @@ def run_hf_cb_bench(model: str, device=None, dtype=None, workload: str = "standa
     runs = []
     with torch.no_grad(), hf_model.continuous_batching_context_manager(
             generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=hints) as manager:
-        serve(manager, "warm-up", prompt_ids[:1], [SamplingParams(temperature=0, max_tokens=2)], [-1])  # as run_bench
+        serve(manager, "warm-up", prompt_ids[:1], [SamplingParams(temperature=0, max_tokens=2)], [-1])  # a short one
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()

@@ -54,6 +54,41 @@ def test_an_option_the_step_lacks_is_refused_by_name():
     assert proc.returncode == 2 and f"{step}'s LLM has no option max_num_seqs" in proc.stderr, proc.stderr[-2000:]
 
 
+
+class WarmUpRecorder:
+    """An engine as warm_up sees it: a device, and the generate calls it got."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.device, self.calls = torch.device(device), []
+
+    def generate(self, prompts, params):
+        self.calls.append((prompts, params))
+
+
+def test_the_warm_up_on_cuda_runs_the_workload_the_timed_runs_will(monkeypatch):
+    """Triton compiles a kernel on its first call for each specialisation, so a CUDA warm-up that meets fewer
+    shapes and sampling paths than the timed runs leaves compiling inside the clock (a greedy 2-token request
+    never meets a long prompt's tiles, flash decoding's splits or the sampled draw). On CUDA the warm-up is the
+    workload itself; on the CPU, where nothing compiles, one short request. run_bench warms up through it."""
+    from shared import SamplingParams, bench
+
+    prompts = [[1, 2, 3] * 100, [4, 5]]
+    params = [SamplingParams(temperature=0.6, max_tokens=500, ignore_eos=True), SamplingParams(max_tokens=7)]
+    gpu, cpu = WarmUpRecorder("cuda"), WarmUpRecorder("cpu")
+    bench.warm_up(gpu, prompts, params)
+    bench.warm_up(cpu, prompts, params)
+    assert gpu.calls == [(prompts, params)]
+    assert len(cpu.calls) == 1 and cpu.calls[0][0] == prompts[:1] and cpu.calls[0][1].max_tokens == 2
+
+    seen = []
+    monkeypatch.setattr(bench, "warm_up", lambda llm, p, sp: seen.append((p, sp)))
+    result = bench.run_bench(STEPS[0], "random:tiny-llama", device="cpu", dtype="float32", max_tokens=2)
+    assert len(seen) == 1 and len(seen[0][0]) == result["requests"] > 1  # the timed workload, every request
+    assert seen[0][1].max_tokens == 2  # the standard workload: one SamplingParams for all, with the run's max_tokens
+
+
 @pytest.mark.slow
 def test_bench_all_steps_runs_alone_calibration_and_lanes(tmp_path):
     # A step without seats (one request at a time), one with seats and no KV pool option, one with a KV pool (the

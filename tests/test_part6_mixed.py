@@ -58,6 +58,17 @@ def test_tile_map_cuts_every_row_into_tiles():
     assert seq.tolist() == [0, 1, 2, 2, 2, 3] and first.tolist() == [0, 0, 0, 5, 10, 0]
 
 
+def test_tile_rows_hold_a_tokens_heads():
+    """tile_rows, the one rule for a program's rows that mixed_attention and the backends' metadata share:
+    tile_config's rows (16 for short rows, 64 for chunks), the caller's where given, never fewer than one token's
+    query heads rounded up to a power of two."""
+    mod = kernels(MIXED)
+    assert mod.tile_rows(1, 1) == mod.tile_rows(1, 3) == 16 and mod.tile_rows(100, 3) == 64
+    assert mod.tile_rows(1, 24) == 32 and mod.tile_rows(1, 64) == 64  # more heads than the tile's 16 rows
+    assert mod.tile_rows(1, 3, block_m=64) == 64 and mod.tile_rows(100, 3, block_m=4) == 4
+    assert mod.tile_rows(1, 8, block_m=4) == 8  # an override too small for one token's heads is raised
+
+
 def work_counter(llm):
     """Count, per step, what the scheduler gave: steps mixing a decode and a chunk, and whether every request
     that was one token behind when the step was scheduled got its token in that step."""

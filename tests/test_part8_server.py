@@ -389,6 +389,35 @@ def test_bench_serve_measures_what_the_server_served(server):
     assert bad["failed"] == 2 and "HTTP 404" in bad["errors"][0]
 
 
+def test_bench_serve_warms_up_before_the_first_measured_rate(server, monkeypatch, capsys):
+    """bench_serve.py as a command: an untimed warm-up (one request, then all of them at once, of the measured
+    prompts' lengths but other token ids, so the measured ones are not in the prefix cache) before the first rate,
+    then one JSON line per rate and nothing for the warm-up; --no-warmup goes straight to the rates."""
+    mod = step_module(SERVER, "bench_serve")
+    calls, real = [], mod.bench
+
+    async def recording(base, model, rate, prompts, output_len, *args):
+        calls.append((rate, prompts))
+        return await real(base, model, rate, prompts, output_len, *args)
+
+    monkeypatch.setattr(mod, "bench", recording)
+    argv = ["bench_serve.py", "--base-url", server.base, "--model", NAME, "--request-rates", "inf",
+            "--num-prompts", "3", "--input-len", "8", "--output-len", "2"]
+    monkeypatch.setattr(sys, "argv", argv)
+    mod.main()
+    measured = mod.random_prompts(3, 8, 0)
+    assert [len(prompts) for _, prompts in calls] == [1, 3, 3] and calls[-1][1] == measured
+    warm = calls[1][1]
+    assert calls[0][1] == warm[:1] and [len(p) for p in warm] == [8, 8, 8]
+    assert not set(map(tuple, warm)) & set(map(tuple, measured))
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["completed"] == 3
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", argv + ["--no-warmup"])
+    mod.main()
+    assert [len(prompts) for _, prompts in calls] == [3]
+
+
 def test_serve_py_starts_answers_and_stops_on_sigint():
     port = free_port()
     proc = subprocess.Popen([sys.executable, f"steps/{SERVER}/serve.py", "--model", MODEL, "--port", str(port),

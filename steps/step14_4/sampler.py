@@ -137,8 +137,3 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     for i, token in zip(rows, draw(probs, u).tolist()):
         next_ids[i] = token
     return next_ids
-
-
-def sample(logits: torch.Tensor, sp: SamplingParams, seed: int, position: int) -> int:
-    """One request: logits [vocab] -> the next token id (a batch of one)."""
-    return sample_batch(logits[None], [sp], [seed], [position])[0]

@@ -1,12 +1,7 @@
-"""step18: mixed batches, one kernel. step17's engine, with every row of a step (decodes and prefill chunks
-alike) attended by one kernel launch per layer (kernels/attention.py's mixed_attention): each row has its own
-query length (1 for a decode, n for a chunk), causal within itself, over its sequence's paged KV. The scheduler
-has no phases: every running request catches up on its tokens without KV under one token budget, the least
-behind first (a decode is a request one token behind). A step of decodes only, with contexts long enough to
-split, keeps step17's flash decoding. `attention_backend` picks the kernels ("triton", the default on CUDA) or
-step14_7's loop ("torch", the default elsewhere; the kernels run on a CPU only in Triton's interpreter).
-
-The anatomy is step14's:
+"""The offline engine, LLM: requests in, RequestOutputs out. add_request makes a Sequence; each step() asks the
+scheduler which sequences run and with how many tokens, has the model runner run one forward for all of them and
+sample, then grows the sequences, finishes those that are done (their blocks freed) and returns the outputs.
+generate() and chat() are add_request plus step() until every request is done. engine.py only wires the parts:
 
     sequence.py       one request's state (status, tokens, num_computed_tokens, block table)
     scheduler.py      which sequences run in the next step, and how many tokens each
@@ -14,7 +9,14 @@ The anatomy is step14's:
     model_runner.py   sequences -> tensors, the forward, the sampler; owns the model and the KV cache
     attention.py      how attention runs, one object per backend: its metadata per step, its math per layer
 
-and engine.py only wires them. Outputs equal step16's.
+Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
+the kernels run on a CPU only in Triton's interpreter).
+
+Added by step, oldest first (each step's outputs equal the one before it, with the option that turns it off):
+- step18: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
+  (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs flash
+  decoding (kernels/decode.py). The scheduler has no phases: every running request catches up on its tokens
+  without KV under one token budget, the least behind first (a decode is a request one token behind).
 """
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ class TritonAttention(TorchAttention):
         """Nothing loops, so no sequence needs the loop's context slots or masks. Every row gets its block table
         (from the runner's persistent rows) and lengths, and the tiles the kernel cuts its new tokens into, once for
         every layer."""
-        from .kernels.attention import tile_config, tile_map  # imported with the kernels, only when they run
+        from .kernels.attention import tile_map, tile_rows  # imported with the kernels, only when they run
         from .kernels.decode import choose_num_splits
 
         attn = self.loop_metadata(work, slots, block_size, looped=0)
@@ -112,7 +112,7 @@ class TritonAttention(TorchAttention):
                 return attn
         group = self.config.num_heads // self.config.num_kv_heads
         max_query_len = max(n for _, n in work)
-        block_m = max(tile_config(max_query_len, group)["block_m"], 1 << (group - 1).bit_length())
+        block_m = tile_rows(max_query_len, group)
         tile_seq, tile_first = tile_map(torch.tensor([n for _, n in work]), block_m // group)  # on the CPU
         attn.mixed = MixedMetadata(tables, cu, lens, max_query_len, to_device(tile_seq, self.device),
                                    to_device(tile_first, self.device), block_m)

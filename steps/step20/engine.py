@@ -1,17 +1,7 @@
-"""step20: an int8 KV cache. step19's engine with `kv_cache_dtype` (vLLM's name): "auto" (the default) keeps K
-and V in the model's dtype, exactly as before; "int8" stores them as int8 with one fp32 scale per (token, KV
-head), scale = max|x| / 127 over the head's head_dim elements (model.py: quantize_kv on write, dequantize_kv on
-the torch path's gather; the kernels dequantise each tile they load). A token's K/V take a little more than half
-the bytes of bf16 (head_dim + 4 bytes per row instead of 2 x head_dim), so the pool sized from the same memory
-holds about 1.9x the tokens; the price is a small rounding error in every key and value.
-
-From step18 and step19: every row of a step (decodes and prefill chunks alike) is attended by one kernel launch per
-layer (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs
-flash decoding (kernels/decode.py); the layer's small operators run as three fused kernels (kernels/fused.py).
-`attention_backend` picks the kernels ("triton", the default on CUDA) or plain torch ("torch", the default
-elsewhere; the kernels run on a CPU only in Triton's interpreter).
-
-The anatomy is step14's:
+"""The offline engine, LLM: requests in, RequestOutputs out. add_request makes a Sequence; each step() asks the
+scheduler which sequences run and with how many tokens, has the model runner run one forward for all of them and
+sample, then grows the sequences, finishes those that are done (their blocks freed) and returns the outputs.
+generate() and chat() are add_request plus step() until every request is done. engine.py only wires the parts:
 
     sequence.py       one request's state (status, tokens, num_computed_tokens, block table)
     scheduler.py      which sequences run in the next step, and how many tokens each
@@ -19,7 +9,18 @@ The anatomy is step14's:
     model_runner.py   sequences -> tensors, the forward, the sampler; owns the model and the KV cache
     attention.py      how attention runs, one object per backend: its metadata per step, its math per layer
 
-and engine.py only wires them. With kv_cache_dtype="auto" the outputs equal step19's.
+Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
+the kernels run on a CPU only in Triton's interpreter) and kv_cache_dtype ("auto" or "int8").
+
+Added by step, oldest first (each step's outputs equal the one before it, with the option that turns it off):
+- step18: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
+  (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs flash
+  decoding (kernels/decode.py). The scheduler has no phases: every running request catches up on its tokens
+  without KV under one token budget, the least behind first (a decode is a request one token behind).
+- step19: the layer's small operators run as three fused kernels (kernels/fused.py).
+- step20: kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
+  (model.py's quantize_kv and dequantize_kv; the kernels dequantise each tile they load): about 1.9x the tokens in
+  the same memory, for a small rounding error in every key and value. "auto" keeps the model's dtype.
 """
 from __future__ import annotations
 

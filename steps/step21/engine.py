@@ -1,29 +1,7 @@
-"""step21: CUDA graphs. step20's engine, with the decode forward recorded once per batch-size bucket and replayed
-(cuda_graphs.py): a step of decodes only costs the host one graph launch instead of ~360 kernel launches. The
-batch is padded to the next captured size (1, 2, 4, 8, then every 8), its inputs copied into static buffers from
-pinned staging; padding rows write to a scratch block. Steps with prompt chunks run eagerly, as before.
-`enforce_eager` (vLLM's name; default False) turns graphs off. Graphs need CUDA and the kernels' attention
-backend: on a CPU, or with attention_backend="torch", the engine runs eagerly and says so (llm.cuda_graphs).
-
-Once the forward is one launch, the host work around it is what the GPU waits for, so that is cut too: no wait
-for the GPU in a step except the one that reads the sampled tokens (sampling runs on the device, sampler.py;
-model_runner.py's read_back), and sequences compare by identity (sequence.py), which took the scheduler's list
-lookups from O(fields) to O(1) each. With enforce_eager=True the outputs equal step20's.
-
-step20: an int8 KV cache. step19's engine with `kv_cache_dtype` (vLLM's name): "auto" (the default) keeps K
-and V in the model's dtype, exactly as before; "int8" stores them as int8 with one fp32 scale per (token, KV
-head), scale = max|x| / 127 over the head's head_dim elements (model.py: quantize_kv on write, dequantize_kv on
-the torch path's gather; the kernels dequantise each tile they load). A token's K/V take a little more than half
-the bytes of bf16 (head_dim + 4 bytes per row instead of 2 x head_dim), so the pool sized from the same memory
-holds about 1.9x the tokens; the price is a small rounding error in every key and value.
-
-From step18 and step19: every row of a step (decodes and prefill chunks alike) is attended by one kernel launch per
-layer (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs
-flash decoding (kernels/decode.py); the layer's small operators run as three fused kernels (kernels/fused.py).
-`attention_backend` picks the kernels ("triton", the default on CUDA) or plain torch ("torch", the default
-elsewhere; the kernels run on a CPU only in Triton's interpreter).
-
-The anatomy is step14's:
+"""The offline engine, LLM: requests in, RequestOutputs out. add_request makes a Sequence; each step() asks the
+scheduler which sequences run and with how many tokens, has the model runner run one forward for all of them and
+sample, then grows the sequences, finishes those that are done (their blocks freed) and returns the outputs.
+generate() and chat() are add_request plus step() until every request is done. engine.py only wires the parts:
 
     sequence.py       one request's state (status, tokens, num_computed_tokens, block table)
     scheduler.py      which sequences run in the next step, and how many tokens each
@@ -31,7 +9,24 @@ The anatomy is step14's:
     model_runner.py   sequences -> tensors, the forward, the sampler; owns the model and the KV cache
     attention.py      how attention runs, one object per backend: its metadata per step, its math per layer
 
-and engine.py only wires them. With kv_cache_dtype="auto" the outputs equal step19's.
+Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
+the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto" or "int8") and enforce_eager (False:
+decode steps replay CUDA graphs where they can; llm.cuda_graphs says whether they do and why not).
+
+Added by step, oldest first (each step's outputs equal the one before it, with the option that turns it off):
+- step18: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
+  (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs flash
+  decoding (kernels/decode.py). The scheduler has no phases: every running request catches up on its tokens
+  without KV under one token budget, the least behind first (a decode is a request one token behind).
+- step19: the layer's small operators run as three fused kernels (kernels/fused.py).
+- step20: kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
+  (model.py's quantize_kv and dequantize_kv; the kernels dequantise each tile they load): about 1.9x the tokens in
+  the same memory, for a small rounding error in every key and value. "auto" keeps the model's dtype.
+- step21: CUDA graphs. The decode forward is recorded once per batch-size bucket (1, 2, 4, 8, then every 8) and
+  replayed (cuda_graphs.py): one graph launch for the host instead of a kernel launch per operator. The batch is
+  padded to its bucket, its inputs copied into static buffers from pinned staging; padding rows write to a scratch
+  block. Steps with prompt chunks run eagerly. The host work around the forward is cut too: one wait for the GPU
+  per step, to read the sampled tokens (model_runner.py's read_back), and sequences compare by identity.
 """
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
 """Two model families, Llama and Qwen3, in one transformer written from scratch in plain PyTorch.
 
-step21: a forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
-step of decodes (one new token per sequence) builds no tensor from host data, so its forward is the same kernels
-on the same buffers every time (cuda_graphs.py captures it).
-
-step20 adds an int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
-(token, KV head), write_kv quantises the new rows as it stores them (quantize_kv) and gather_kv restores them
-(dequantize_kv) for the torch path; the kernels dequantise inside their loops.
-
 embedding -> N x [RMSNorm -> attention (RoPE, grouped-query) -> add -> RMSNorm -> SwiGLU MLP -> add]
           -> RMSNorm -> lm_head (often tied to the embedding)
 
@@ -22,6 +14,14 @@ Everything else (requests, blocks, sampling) belongs to the engine around it.
 
 The layer's elementwise groups (residual add + RMSNorm, SiLU * up, q/k norm + RoPE) go through self.ops: the torch
 operators of TorchLayerOps, or one Triton kernel each (kernels/fused.py's TritonLayerOps), picked by the engine.
+
+step20: an int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
+(token, KV head), write_kv quantises the new rows as it stores them (quantize_kv) and gather_kv restores them
+(dequantize_kv) for the torch path; the kernels dequantise inside their loops.
+
+step21: a forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
+step of decodes (one new token per sequence) builds no tensor from host data, so its forward is the same kernels
+on the same buffers every time (cuda_graphs.py captures it).
 """
 from __future__ import annotations
 

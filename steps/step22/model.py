@@ -1,19 +1,5 @@
 """Two model families, Llama and Qwen3, in one transformer written from scratch in plain PyTorch.
 
-step22: tensor parallelism (parallel.py). With N ranks each rank's CausalLM holds its share of every weight (the
-loader reads only those slices) and its config says so: heads, KV heads and the MLP's width divided by N. The
-forward is step21's with three additions, each the identity when N = 1: the embedding looks up only its rank's
-vocab rows and one all-reduce sums the ranks' lookups; o_proj and down_proj (row-parallel) give partial sums, each
-completed by one all-reduce; lm_head's logits (the rank's vocab rows) are gathered on rank 0.
-
-step21: a forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
-step of decodes (one new token per sequence) builds no tensor from host data, so its forward is the same kernels
-on the same buffers every time (cuda_graphs.py captures it).
-
-step20 adds an int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
-(token, KV head), write_kv quantises the new rows as it stores them (quantize_kv) and gather_kv restores them
-(dequantize_kv) for the torch path; the kernels dequantise inside their loops.
-
 embedding -> N x [RMSNorm -> attention (RoPE, grouped-query) -> add -> RMSNorm -> SwiGLU MLP -> add]
           -> RMSNorm -> lm_head (often tied to the embedding)
 
@@ -28,6 +14,20 @@ Everything else (requests, blocks, sampling) belongs to the engine around it.
 
 The layer's elementwise groups (residual add + RMSNorm, SiLU * up, q/k norm + RoPE) go through self.ops: the torch
 operators of TorchLayerOps, or one Triton kernel each (kernels/fused.py's TritonLayerOps), picked by the engine.
+
+step20: an int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
+(token, KV head), write_kv quantises the new rows as it stores them (quantize_kv) and gather_kv restores them
+(dequantize_kv) for the torch path; the kernels dequantise inside their loops.
+
+step21: a forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
+step of decodes (one new token per sequence) builds no tensor from host data, so its forward is the same kernels
+on the same buffers every time (cuda_graphs.py captures it).
+
+step22: tensor parallelism (parallel.py). With N ranks each rank's CausalLM holds its share of every weight (the
+loader reads only those slices) and its config says so: heads, KV heads and the MLP's width divided by N. The
+forward is step21's with three additions, each the identity when N = 1: the embedding looks up only its rank's
+vocab rows and one all-reduce sums the ranks' lookups; o_proj and down_proj (row-parallel) give partial sums, each
+completed by one all-reduce; lm_head's logits (the rank's vocab rows) are gathered on rank 0.
 """
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ class TritonAttention(TorchAttention):
         """Nothing loops, so no sequence needs the loop's context slots or masks. Every row gets its block table
         (from the runner's persistent rows) and lengths, and the tiles the kernel cuts its new tokens into, once for
         every layer."""
-        from .kernels.attention import tile_config, tile_map  # imported with the kernels, only when they run
+        from .kernels.attention import tile_map, tile_rows  # imported with the kernels, only when they run
         from .kernels.decode import choose_num_splits
 
         attn = self.loop_metadata(work, slots, block_size, looped=0)
@@ -115,7 +115,7 @@ class TritonAttention(TorchAttention):
                 return attn
         group = self.config.num_heads // self.config.num_kv_heads
         max_query_len = max(n for _, n in work)
-        block_m = max(tile_config(max_query_len, group)["block_m"], 1 << (group - 1).bit_length())
+        block_m = tile_rows(max_query_len, group)
         tile_seq, tile_first = tile_map(torch.tensor([n for _, n in work]), block_m // group)  # on the CPU
         attn.mixed = MixedMetadata(tables, cu, lens, max_query_len, to_device(tile_seq, self.device),
                                    to_device(tile_first, self.device), block_m)
@@ -163,7 +163,7 @@ class TritonAttention(TorchAttention):
         """A step of `size` decodes as the kernels read it, from the static buffers of cuda_graphs.py's
         StaticDecodeInputs: the same tensors at the same addresses every step (a graph replays their addresses),
         only their contents change. Each decode is one tile of one token: tile i is sequence i, token 0."""
-        from .kernels.attention import tile_config
+        from .kernels.attention import tile_rows
 
         attn = AttentionMetadata(list(range(size + 1)), inputs.slot_mapping[:size], [], [])
         tables, lens = inputs.block_tables[:size], inputs.seq_lens[:size]
@@ -171,7 +171,7 @@ class TritonAttention(TorchAttention):
             attn.decode = DecodeMetadata(size, tables, lens, num_splits)
             return attn
         group = self.config.num_heads // self.config.num_kv_heads
-        block_m = max(tile_config(1, group)["block_m"], 1 << (group - 1).bit_length())
+        block_m = tile_rows(1, group)
         attn.mixed = MixedMetadata(tables, inputs.cu_seqlens_q[:size + 1], lens, 1, inputs.tile_seq[:size],
                                    inputs.tile_first[:size], block_m)
         return attn

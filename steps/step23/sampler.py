@@ -171,8 +171,3 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     u = _to_device(uniforms([seeds[i] for i in rows], [positions[i] for i in rows]), logits.device)  # [S] float64
     drawn = draw(probs, u)  # [S]
     return drawn if every_row else torch.argmax(logits, dim=-1).index_put((index,), drawn)
-
-
-def sample(logits: torch.Tensor, sp: SamplingParams, seed: int, position: int) -> int:
-    """One request: logits [vocab] -> the next token id (a batch of one)."""
-    return int(sample_batch(logits[None], [sp], [seed], [position])[0])

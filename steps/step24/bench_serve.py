@@ -6,7 +6,10 @@ each given rate, each one streamed, and the latencies a user sees are measured, 
 
 The requests: --num-prompts prompts of --input-len random token ids (seeded), each asking for exactly --output-len
 tokens (ignore_eos), greedy, through /v1/completions with "stream": true. Rate inf sends every request at once:
-the server's saturation. For each rate, one JSON line:
+the server's saturation. Before the first rate, an untimed warm-up (--no-warmup skips it): one request alone, then
+--num-prompts at once, of the same lengths but other token ids (nothing the measured runs send is in the prefix cache
+from it), so that the server's first calls (its kernels compiled for each new shape, on a GPU) are not measured.
+For each rate, one JSON line:
 
     request_throughput   completed requests per second of the run's wall time
     output_throughput    generated tokens per second (the tokens from each response's usage)
@@ -114,6 +117,20 @@ async def bench(base_url: str, model: str, rate: float, prompts: list[list[int]]
             "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl), "e2e_ms": percentiles([r["e2e"] for r in done])}
 
 
+async def warm_up(base_url: str, model: str, prompts: list[list[int]], output_len: int,
+                  api_key: str | None = None) -> None:
+    """Untimed, before the measured rates: the first prompt alone (a batch of one, as a low rate starts), then every
+    prompt at once (the saturation's batch), each asking for output_len tokens as the measured runs do. A server
+    compiles its kernels on their first call for each shape; here those calls are made before any clock runs. Give
+    it prompts of the measured ones' lengths but not the same ids (random_prompts with another seed), or the
+    measured runs find them in the prefix cache. A warm-up request that fails is an error: the measured runs would
+    fail the same way."""
+    for batch in (prompts[:1], prompts):
+        result = await bench(base_url, model, math.inf, batch, output_len, api_key)
+        if result["failed"]:
+            raise RuntimeError(f"warm-up: {result['failed']} of {len(batch)} requests failed: {result['errors']}")
+
+
 def rate_arg(value: str) -> float:
     rate = float(value)
     if not rate > 0:
@@ -132,11 +149,17 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="an untimed warm-up before the first rate (default: on)")
     args = parser.parse_args()
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             parser.error(f"argument --{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
     prompts = random_prompts(args.num_prompts, args.input_len, args.seed)
+    if args.warmup:
+        print(f"warm-up: 1, then {len(prompts)} requests ...", file=sys.stderr, flush=True)
+        warm = random_prompts(args.num_prompts, args.input_len, args.seed + 1)  # other ids, the same lengths
+        asyncio.run(warm_up(args.base_url, args.model, warm, args.output_len, args.api_key))
     for rate in args.request_rates:
         result = asyncio.run(bench(args.base_url, args.model, rate, prompts, args.output_len, args.api_key, args.seed))
         print(json.dumps(result), flush=True)

@@ -12,19 +12,19 @@ the rows when a sequence's blocks are released (its row is then free).
 
 step20: the cache may be int8 (kv_cache_dtype="int8"), and its size counts the scales: kv_bytes_per_token.
 
-step22: tensor parallelism (parallel.py). Every rank has a model runner of its own, with its shard of the model and
-its KV heads' cache; rank 0's is the engine's, and before each step it hands the step to the workers
-(parallel.py's Workers.start_step: the inputs broadcast), which run the same execute on them. On CUDA the ranks
-agree on the pool's size (the smallest any rank can hold), so a block id means the same slots on every rank. Rank 0
-decides each sequence's block-table row and its new blocks (BlockTables.changes) and sends them with the step; every
-rank writes them into its own rows, so every rank's rows hold the same tables.
-
 step21: CUDA graphs (cuda_graphs.py). After the cache is allocated the runner captures the decode forward once per
 batch-size bucket (capture_graphs); a step of decodes only is then filled into static buffers and replayed, every
 other step runs eagerly as before. The cache has one block more than the block manager hands out: the scratch
 block padding rows write to. The memory the graphs hold is measured before the pool is sized (one trial capture of
 the largest bucket) and left out of the pool. Sampling stays on the device; the step's one wait for the GPU is
 the copy of the sampled tokens (and their logprobs) back to the host (read_back).
+
+step22: tensor parallelism (parallel.py). Every rank has a model runner of its own, with its shard of the model and
+its KV heads' cache; rank 0's is the engine's, and before each step it hands the step to the workers
+(parallel.py's Workers.start_step: the inputs broadcast), which run the same execute on them. On CUDA the ranks
+agree on the pool's size (the smallest any rank can hold), so a block id means the same slots on every rank. Rank 0
+decides each sequence's block-table row and its new blocks (BlockTables.changes) and sends them with the step; every
+rank writes them into its own rows, so every rank's rows hold the same tables.
 """
 from __future__ import annotations
 

@@ -163,6 +163,14 @@ def tile_config(max_query_len: int, group: int) -> dict:
     return dict(block_m=16, block_n=64, num_warps=4, num_stages=2)
 
 
+def tile_rows(max_query_len: int, group: int, block_m: int | None = None) -> int:
+    """The rows of one program's tile (BLOCK_M): tile_config's, or the caller's block_m, raised to hold at least
+    one token's query heads (`group`, rounded up to a power of two). A tile then holds block_m // group tokens.
+    The one place this rule lives: mixed_attention and the backends' metadata (attention.py) both ask it."""
+    rows = tile_config(max_query_len, group)["block_m"] if block_m is None else block_m
+    return max(rows, 1 << (group - 1).bit_length())
+
+
 def tile_map(query_lens: torch.Tensor, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's new tokens cut into tiles of block_q -> (tile -> its sequence, tile -> its first token),
     int32, on the device of query_lens. Built with tensor operations, no Python loop over the sequences."""
@@ -204,7 +212,7 @@ def mixed_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k,
     for name, value in dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages).items():
         if value is not None:
             config[name] = value
-    block_m = max(config["block_m"], triton.next_power_of_2(group))  # a tile holds at least one token's heads
+    block_m = tile_rows(max_query_len, group, config["block_m"])
     block_q = block_m // group
     if tiles is None:
         tiles = tile_map(cu_seqlens_q[1:] - cu_seqlens_q[:-1], block_q)
