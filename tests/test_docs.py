@@ -76,6 +76,40 @@ def test_every_marker_was_rendered_and_every_figure_exists(site):
     assert "figures/tokens-per-s.svg" in home
 
 
+def _reader_text(page: str) -> str:
+    """What a reader reads on a page: its prose and tables, without code, scripts, styles and plots."""
+    page = re.sub(r"<(pre|code|script|style|svg)\b.*?</\1>", " ", page, flags=re.S)
+    return html.unescape(re.sub(r"<[^>]+>", " ", page))
+
+
+# A number with more than 4 decimals after its point (leading zeros of a number under 1 not counted), outside
+# arXiv and DOI identifiers (after ":" or "/").
+LONG_NUMBER = re.compile(r"(?<![\w.:/])(\d[\d,]*)\.(\d+)(?![\w.])")
+
+
+def long_numbers(text: str) -> list[str]:
+    found = []
+    for m in LONG_NUMBER.finditer(text):
+        decimals = m.group(2).lstrip("0") if not m.group(1).strip("0,") else m.group(2)
+        if len(decimals) > 4:
+            found.append(m.group(0))
+    return found
+
+
+def test_long_numbers_are_found():
+    assert long_numbers("step20 took 16.954222025440323 ms, 478.23522613910507 tokens/s") == [
+        "16.954222025440323", "478.23522613910507"]
+    assert long_numbers("0.2897 ms, 1,851.7 tokens/s, 0.000123, arXiv:2309.06180, doi:10.1145/1498765.1498785") == []
+
+
+def test_no_page_prints_a_raw_float(site):
+    """Every figure from docs/data/ goes through one formatter (docs/hooks/figures.py's fmt): the prose and tables
+    never show a float as the JSON holds it (16.954222025440323 ms)."""
+    raw = {str(p.relative_to(site)): found for p, text in _pages(site).items()
+           if (found := long_numbers(_reader_text(text)))}
+    assert not raw, f"numbers with more than 4 decimals (format them in docs/hooks/figures.py): {raw}"
+
+
 def test_chapters_link_their_neighbours_and_sources(site):
     for i, step in enumerate(STEPS):
         page = (site / "steps" / step / "index.html").read_text()
