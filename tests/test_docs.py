@@ -110,6 +110,38 @@ def test_no_page_prints_a_raw_float(site):
     assert not raw, f"numbers with more than 4 decimals (format them in docs/hooks/figures.py): {raw}"
 
 
+# Words about how the pages were made, which a reader has no use for: a page says which run a figure is from, on
+# which device and with which command, not how the work on the site was organised.
+HOW_IT_WAS_MADE = ("session", "the call allowed", "machine lent", "lent for", "lent machine", "in our runs",
+                   "no network", "came after this run", "did not fit in the", "failed in this call", "in this call",
+                   "device call", "device time", "the same call", "what was asked", "was requested", "the brief")
+
+
+def how_it_was_made(text: str) -> list[str]:
+    low = " ".join(text.lower().split())
+    return [w for w in HOW_IT_WAS_MADE if re.search(rf"\b{re.escape(w)}\b", low)]
+
+
+def test_how_it_was_made_is_found():
+    assert how_it_was_made("steps 10-14_6 did not fit in the session's\ndevice time") == [
+        "session", "did not fit in the", "device time"]
+    assert how_it_was_made("step18 came after this run; the GPU machine lent for this chapter") == [
+        "machine lent", "lent for", "came after this run"]
+    assert how_it_was_made("one job on the H200, with python -m shared.bench") == []
+
+
+def test_no_page_speaks_of_how_it_was_made(site):
+    """The built pages, their captions, table notes and inline code included (code listings and diffs are the
+    engine's source), carry none of HOW_IT_WAS_MADE."""
+    found = {}
+    for path, text in _pages(site).items():
+        page = re.sub(r"<(pre|script|style|svg)\b.*?</\1>", " ", text, flags=re.S)
+        words = how_it_was_made(html.unescape(re.sub(r"<[^>]+>", " ", page)))
+        if words:
+            found[str(path.relative_to(site))] = words
+    assert not found, f"pages that speak of how they were made: {found}"
+
+
 def test_chapters_link_their_neighbours_and_sources(site):
     for i, step in enumerate(STEPS):
         page = (site / "steps" / step / "index.html").read_text()

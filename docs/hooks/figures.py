@@ -341,7 +341,7 @@ def _lanes_text(d: dict, workloads) -> str:
             continue
         calls = sorted({r.get("call", 1) for r in e["steps"].values()})
         out.append(f": {', '.join(laned)} ran in lanes (up to {max(e['steps'][s]['lanes'] for s in laned)} processes "
-                   f"sharing the GPU machine), the others alone" + (f", in {len(calls)} device calls" if len(calls) > 1
+                   f"sharing the GPU machine), the others alone" + (f", in {len(calls)} jobs" if len(calls) > 1
                                                                      else "") + "; " + _calibration_text(e))
     return "".join(out)
 
@@ -361,7 +361,7 @@ def _calibration_pairs(e: dict) -> list[tuple[int, str, float, float]]:
 
 def _calibration_text(e: dict) -> str:
     pairs = _calibration_pairs(e)
-    return "in lanes " + ", ".join(f"{step} made {fmt(lane / alone, '.2f')}x its tokens/s alone (call {call})"
+    return "in lanes " + ", ".join(f"{step} made {fmt(lane / alone, '.2f')}x its tokens/s alone (job {call})"
                                    for call, step, alone, lane in pairs) if pairs else "not calibrated"
 
 
@@ -372,7 +372,7 @@ def bench_calibration(device: str, workload: str) -> str:
         raise ValueError(f"bench-calibration: docs/data/{device}.json {workload!r} has no step measured alone and in lanes")
     rows = [[str(call), step, fmt(alone, unit="rate"), fmt(lane, unit="rate"), fmt(lane / alone, ".2f") + "x"]
             for call, step, alone, lane in pairs]
-    return (_html_table(["device call", "step", "tokens/s alone", "tokens/s in lanes", "lanes / alone"], rows)
+    return (_html_table(["job", "step", "tokens/s alone", "tokens/s in lanes", "lanes / alone"], rows)
             + f"\n\n<small>**{run_name(device, workload)}**, `docs/data/{device}.json`.</small>")
 
 
@@ -414,8 +414,12 @@ def bench_matrix(spec: str) -> str:
         if d not in devices:
             devices.append(d)
     captions = [_caption(d, *dict.fromkeys(wl for dd, wl in cols if dd == d)) for d in devices]
-    pending = sorted({f"{step} {why}" for d, wl in cols for step, why in
-                      _bench[d]["workloads"].get(wl, {}).get("pending", {}).items() if step in steps})
+    by_why: dict = {}  # one note per reason: "step18, step19, step20: newer than this run"
+    for d, wl in cols:
+        for step, why in _bench[d]["workloads"].get(wl, {}).get("pending", {}).items():
+            if step in steps and step not in by_why.setdefault(why, []):
+                by_why[why].append(step)
+    pending = [f"{', '.join(sorted(s, key=_step_order))}: {why}" for why, s in sorted(by_why.items())]
     return (_html_table(header, rows) + "\n\n<small>tokens/s; - = not measured"
             + (f" ({'; '.join(pending)})" if pending else "") + ".</small>\n\n"
             + "\n\n".join(captions))
