@@ -227,7 +227,9 @@ def test_the_quote_check_fails_on_two_values_of_one_measurement():
 # A measured figure typed into prose would drift from docs/data/; these units are what the benchmarks measure.
 TYPED_FIGURE = re.compile(r"(?<![\w.{])\d[\d,]*(?:\.\d+)?\s?(?:tokens/s|GB/s|TB/s|TFLOP/s)"
                           r"|(?<![\w.])\d+(?:\.\d+)?%\s+of\s+(?:the\s+)?(?:measured\s+)?copy\s+bandwidth"
-                          r"|(?<![\w.])\d+(?:\.\d+)?x\s+(?:faster|slower)")
+                          r"|(?<![\w.])\d+(?:\.\d+)?x\s+(?:faster|slower)"
+                          r"|\babout\s+\d[\d,]*(?:\.\d+)?\s+(?:kernels|launches|ms)\b"
+                          r"|(?<![\w.{])\d[\d,]*\s+(?:\[)?(?:kernels|kernel launches)\b")
 
 
 def typed_figures(text: str) -> list[str]:
@@ -252,6 +254,8 @@ def test_typed_figures_are_found():
     assert typed_figures("<!-- bench-value: h200 mixed step09 tokens_per_s --> tokens/s") == []
     assert typed_figures("```text\n98.4 tokens/s\n```") == []
     assert typed_figures("NVIDIA's datasheet says 4.8 TB/s") == []
+    assert typed_figures("step20's host launched about 370 [kernels](glossary.md#kernel)") == ["line 1: '370 [kernels'"]
+    assert typed_figures("about 360 launches") == ["line 1: 'about 360 launches'"]
 
 
 def test_no_page_has_typed_figures():

@@ -50,7 +50,7 @@ One number, one source: each workload entry names its run ("run": "Part 4's run 
 device, workload and model is the site's own ("canonical": true). Every figure a marker quotes from a run is
 written down with the measurement it is of (device, base workload, model, new tokens, seats, code variant, step,
 field). Where the site quotes one measurement with two different values, each value that does not come from the
-canonical run must say which run it is from: tables and captions always do (they print the run's name); an inline
+canonical run must say which run it is from (a raw marker joins the ledger with `= STEP FIELD` after its pattern: docs/data/raw/runs.json says which run, device, workload, model, new tokens and seats its file holds): tables and captions always do (they print the run's name); an inline
 value must have the run's name in its paragraph. Otherwise the build fails, naming the pages. The ledger of every
 quoted figure is written to the built site as quotes.json (tests/test_docs.py reads it). Plots are written into the built site only (site/figures/*.svg), never committed.
 """
@@ -569,14 +569,42 @@ def _value_text(v) -> str:
     return fmt(v)
 
 
-def raw_value(file: str, pattern: str, spec: str = "", after: str = "") -> str:
+def _raw_runs() -> dict:
+    path = DATA / "raw" / "runs.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def raw_quote(file: str, step: str, field: str, captured: str, text: str, marker_at: int) -> None:
+    """A raw marker's `= STEP FIELD`: the figure is STEP's FIELD in the run docs/data/raw/runs.json names for FILE;
+    it joins the ledger like a bench-value of that run (labelled when the run's name is in its paragraph)."""
+    runs = _raw_runs()
+    if file not in runs:
+        raise ValueError(f"raw marker: '= {step} {field}' on docs/data/raw/{file}, which docs/data/raw/runs.json "
+                         f"does not describe (its run, device, workload, model, new tokens, seats)")
+    r = runs[file]
+    seats = r.get("seats_of", {}).get(step, r.get("seats"))
+    number = float(captured.replace(",", "").rstrip("%x"))
+    md = _page["markdown"]
+    start, end = md.rfind("\n\n", 0, marker_at), md.find("\n\n", marker_at)
+    paragraph = " ".join(re.sub(r"<!--.*?-->", "", md[start + 1:end if end >= 0 else len(md)], flags=re.S).lower().split())
+    QUOTES.append({"page": _page["uri"], "run": r["run"], "workload": r["workload"], "canonical": False,
+                   "measurement": [r["device"], r["workload"], r["model"], r.get("max_tokens", 128), seats,
+                                   r.get("variant", ""), step, FIELD_KEY.get(field, field)],
+                   "value": number, "shown": text, "labelled": r["run"].lower() in paragraph})
+
+
+def raw_value(file: str, pattern: str, spec: str = "", after: str = "", quote: str = "", marker_at: int = 0) -> str:
     path = DATA / "raw" / file
     if not path.is_file():
         raise ValueError(f"raw marker: no docs/data/raw/{file}")
     m = re.search(pattern, path.read_text())
     if not m:
         raise ValueError(f"raw marker: {pattern!r} not found in docs/data/raw/{file}")
-    return fmt(m.group(1) if m.groups() else m.group(0), spec, unit_of(pattern, after))
+    captured = m.group(1) if m.groups() else m.group(0)
+    text = fmt(captured, spec, unit_of(pattern, after))
+    if quote:
+        raw_quote(file, *quote.split(), captured, text, marker_at)
+    return text
 
 
 def raw_block(file: str, lines: str = "") -> str:
@@ -1100,8 +1128,8 @@ MARKERS = [
     (re.compile(r"<!--\s*data:\s*(\S+)\s+(\S+)(?:\s+(\S+))?\s*-->"),
      lambda m, p: data_value(m.group(1), m.group(2), m.group(3) or "", m.start(), _after(m))),
     (re.compile(r"<!--\s*calc:\s*(.+?)\s*-->"), lambda m, p: calc_value(m.group(1), m.start(), _after(m))),
-    (re.compile(r"<!--\s*raw:\s*(\S+)\s+\"(.+?)\"(?:\s+as\s+(\S+))?\s*-->"),
-     lambda m, p: raw_value(m.group(1), m.group(2), m.group(3) or "", _after(m))),
+    (re.compile(r"<!--\s*raw:\s*(\S+)\s+\"(.+?)\"(?:\s+as\s+(\S+))?(?:\s+=\s+(\S+\s+\S+))?\s*-->"),
+     lambda m, p: raw_value(m.group(1), m.group(2), m.group(3) or "", _after(m), m.group(4) or "", m.start())),
     (re.compile(r"<!--\s*raw-block:\s*(\S+)(?:\s+(\d+-\d+))?\s*-->"), lambda m, p: raw_block(m.group(1), m.group(2) or "")),
     (re.compile(r"<!--\s*figure:\s*(\S+)\s*-->"), lambda m, p: figure(m.group(1), p)),
     (re.compile(r"<!--\s*fig-table:\s*(\S+)\s*-->"), lambda m, p: fig_table(m.group(1))),
