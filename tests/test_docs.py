@@ -76,6 +76,72 @@ def test_every_marker_was_rendered_and_every_figure_exists(site):
     assert "figures/tokens-per-s.svg" in home
 
 
+def _reader_text(page: str) -> str:
+    """What a reader reads on a page: its prose and tables, without code, scripts, styles and plots."""
+    page = re.sub(r"<(pre|code|script|style|svg)\b.*?</\1>", " ", page, flags=re.S)
+    return html.unescape(re.sub(r"<[^>]+>", " ", page))
+
+
+# A number with more than 4 decimals after its point (leading zeros of a number under 1 not counted), outside
+# arXiv and DOI identifiers (after ":" or "/").
+LONG_NUMBER = re.compile(r"(?<![\w.:/])(\d[\d,]*)\.(\d+)(?![\w.])")
+
+
+def long_numbers(text: str) -> list[str]:
+    found = []
+    for m in LONG_NUMBER.finditer(text):
+        decimals = m.group(2).lstrip("0") if not m.group(1).strip("0,") else m.group(2)
+        if len(decimals) > 4:
+            found.append(m.group(0))
+    return found
+
+
+def test_long_numbers_are_found():
+    assert long_numbers("step20 took 16.954222025440323 ms, 478.23522613910507 tokens/s") == [
+        "16.954222025440323", "478.23522613910507"]
+    assert long_numbers("0.2897 ms, 1,851.7 tokens/s, 0.000123, arXiv:2309.06180, doi:10.1145/1498765.1498785") == []
+
+
+def test_no_page_prints_a_raw_float(site):
+    """Every figure from docs/data/ goes through one formatter (docs/hooks/figures.py's fmt): the prose and tables
+    never show a float as the JSON holds it (16.954222025440323 ms)."""
+    raw = {str(p.relative_to(site)): found for p, text in _pages(site).items()
+           if (found := long_numbers(_reader_text(text)))}
+    assert not raw, f"numbers with more than 4 decimals (format them in docs/hooks/figures.py): {raw}"
+
+
+# Words about how the pages were made, which a reader has no use for: a page says which run a figure is from, on
+# which device and with which command, not how the work on the site was organised.
+HOW_IT_WAS_MADE = ("session", "the call allowed", "machine lent", "lent for", "lent machine", "in our runs",
+                   "no network", "came after this run", "did not fit in the", "failed in this call", "in this call",
+                   "device call", "device time", "the same call", "what was asked", "was requested", "the brief")
+
+
+def how_it_was_made(text: str) -> list[str]:
+    low = " ".join(text.lower().split())
+    return [w for w in HOW_IT_WAS_MADE if re.search(rf"\b{re.escape(w)}\b", low)]
+
+
+def test_how_it_was_made_is_found():
+    assert how_it_was_made("steps 10-14_6 did not fit in the session's\ndevice time") == [
+        "session", "did not fit in the", "device time"]
+    assert how_it_was_made("step18 came after this run; the GPU machine lent for this chapter") == [
+        "machine lent", "lent for", "came after this run"]
+    assert how_it_was_made("one job on the H200, with python -m shared.bench") == []
+
+
+def test_no_page_speaks_of_how_it_was_made(site):
+    """The built pages, their captions, table notes and inline code included (code listings and diffs are the
+    engine's source), carry none of HOW_IT_WAS_MADE."""
+    found = {}
+    for path, text in _pages(site).items():
+        page = re.sub(r"<(pre|script|style|svg)\b.*?</\1>", " ", text, flags=re.S)
+        words = how_it_was_made(html.unescape(re.sub(r"<[^>]+>", " ", page)))
+        if words:
+            found[str(path.relative_to(site))] = words
+    assert not found, f"pages that speak of how they were made: {found}"
+
+
 def test_chapters_link_their_neighbours_and_sources(site):
     for i, step in enumerate(STEPS):
         page = (site / "steps" / step / "index.html").read_text()
@@ -161,7 +227,9 @@ def test_the_quote_check_fails_on_two_values_of_one_measurement():
 # A measured figure typed into prose would drift from docs/data/; these units are what the benchmarks measure.
 TYPED_FIGURE = re.compile(r"(?<![\w.{])\d[\d,]*(?:\.\d+)?\s?(?:tokens/s|GB/s|TB/s|TFLOP/s)"
                           r"|(?<![\w.])\d+(?:\.\d+)?%\s+of\s+(?:the\s+)?(?:measured\s+)?copy\s+bandwidth"
-                          r"|(?<![\w.])\d+(?:\.\d+)?x\s+(?:faster|slower)")
+                          r"|(?<![\w.])\d+(?:\.\d+)?x\s+(?:faster|slower)"
+                          r"|\babout\s+\d[\d,]*(?:\.\d+)?\s+(?:kernels|launches|ms)\b"
+                          r"|(?<![\w.{])\d[\d,]*\s+(?:\[)?(?:kernels|kernel launches)\b")
 
 
 def typed_figures(text: str) -> list[str]:
@@ -186,6 +254,8 @@ def test_typed_figures_are_found():
     assert typed_figures("<!-- bench-value: h200 mixed step09 tokens_per_s --> tokens/s") == []
     assert typed_figures("```text\n98.4 tokens/s\n```") == []
     assert typed_figures("NVIDIA's datasheet says 4.8 TB/s") == []
+    assert typed_figures("step20's host launched about 370 [kernels](glossary.md#kernel)") == ["line 1: '370 [kernels'"]
+    assert typed_figures("about 360 launches") == ["line 1: 'about 360 launches'"]
 
 
 def test_no_page_has_typed_figures():

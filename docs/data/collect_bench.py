@@ -21,7 +21,7 @@ call, with its own date and commit, and leaves the entry's pending list (--pendi
 Each entry names its run (--run, shown with every figure quoted from it) and may be the site's run for its
 workload and model (--canonical): the one the summaries and most chapters quote (docs/hooks/figures.py).
 Results of docs/data/bench_all_steps.py carry the part of the call they ran in ("alone", "lanes",
-"calibration"); with --calls each file is one device call (numbered in order). A calibration result, and a step
+"calibration"); with --calls each file is one job (numbered in order). A calibration result, and a step
 measured again in a later file, go to the entry's "calibration" list instead of its steps: the same step alone
 and in lanes, which says what sharing the machine cost.
 """
@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--merge", action="store_true", help="add to the existing file instead of rewriting it")
     p.add_argument("--run", default="", help="the run's name, quoted with its figures (e.g. \"the all-steps run\")")
     p.add_argument("--canonical", action="store_true", help="the site's run for this workload and model")
-    p.add_argument("--calls", action="store_true", help="each --results file is one device call, in order")
+    p.add_argument("--calls", action="store_true", help="each --results file is one job, in order")
     p.add_argument("--max-tokens", type=int, default=128, help="the workload's --max-tokens")
     p.add_argument("--not-finished", nargs="*", default=[], help="STEP=SECONDS: stopped, unfinished, after SECONDS")
     p.add_argument("--add-to", default=None, help="WORKLOAD: add the results' steps to that entry, as its next call")
@@ -99,7 +99,7 @@ def main() -> None:
 
 
 def add_to(args, commands: dict) -> None:
-    """The results' steps into an existing run's entry, as its next device call (see the module's docstring)."""
+    """The results' steps into an existing run's entry, as its next job (see the module's docstring)."""
     target = Path(__file__).resolve().parent / f"{args.device}.json"
     out = json.loads(target.read_text())
     wl = out["workloads"][args.add_to]

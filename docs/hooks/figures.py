@@ -40,11 +40,17 @@ SUMMARY_RUNS only.
 A marker that names data which does not exist fails the build, so no page can quote a number that
 is not in docs/data/.
 
+Every number a marker prints goes through one formatter, fmt(): a format spec in the marker (data, calc; a raw
+marker takes one as `<!-- raw: FILE "pattern" as .1f -->`) wins; without one the unit decides (from the data key,
+the raw pattern or the word after the marker): rates such as tokens/s to one decimal, ratios ("x") to two, times
+and other figures to 4 significant figures; a raw capture never gains decimals. So a page never shows a float as
+the JSON holds it (tests/test_docs.py scans the built pages for one).
+
 One number, one source: each workload entry names its run ("run": "Part 4's run (16 seats)"), and one run per
 device, workload and model is the site's own ("canonical": true). Every figure a marker quotes from a run is
 written down with the measurement it is of (device, base workload, model, new tokens, seats, code variant, step,
 field). Where the site quotes one measurement with two different values, each value that does not come from the
-canonical run must say which run it is from: tables and captions always do (they print the run's name); an inline
+canonical run must say which run it is from (a raw marker joins the ledger with `= STEP FIELD` after its pattern: docs/data/raw/runs.json says which run, device, workload, model, new tokens and seats its file holds): tables and captions always do (they print the run's name); an inline
 value must have the run's name in its paragraph. Otherwise the build fails, naming the pages. The ledger of every
 quoted figure is written to the built site as quotes.json (tests/test_docs.py reads it). Plots are written into the built site only (site/figures/*.svg), never committed.
 """
@@ -86,6 +92,80 @@ def _load() -> None:
         _host_path.update(json.loads((DATA / "raw" / "h200_host_path" / "summary.json").read_text()))
 
 
+# ---------------------------------------------------------------- the one number formatter
+
+# Decimals per unit, where a marker gives no format spec: a figure is printed to the precision its measurement
+# carries, never as the float the JSON holds. Times and rates keep 3-4 significant figures; counts are whole.
+UNIT_WORDS = {"ms": "ms", "s": "s", "us": "us", "µs": "us", "tokens/s": "rate", "tok/s": "rate", "req/s": "rate",
+              "GB/s": "rate", "TB/s": "rate", "TFLOP/s": "rate", "MiB": "mib", "GiB": "GiB", "%": "%", "x": "x"}
+_NUMBER = re.compile(r"(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?)(.*)", re.S)
+
+
+def fmt(value, spec: str = "", unit: str = "") -> str:
+    """Every number the pages print goes through here. `spec` (a format spec from the marker, e.g. ".1f", ",.0f",
+    ".0%") wins. Without one, the unit decides: rates (tokens/s, GB/s) to one decimal, ratios ("x") to two, every
+    other figure (ms, s, %, plain numbers) to 4 significant figures, without trailing zeros, and from 1,000 on
+    whole; whole numbers with thousands separators. A string (a raw marker's capture, as a program printed it)
+    is read as a number first, with a suffix such as "%" or "x" kept, and never gets more decimals than it had;
+    text that is no number is returned as it is."""
+    if isinstance(value, str):
+        m = _NUMBER.fullmatch(value.strip())
+        if not m or (m.group(2) and m.group(2).strip() not in ("%", "x", "ms", "s")):
+            return value
+        number, suffix = m.group(1).replace(",", ""), m.group(2)
+        if "e" in number.lower():
+            return value  # 1.56e-02: a difference printed in scientific notation stays so
+        parsed = float(number) if any(c in number for c in ".eE") else int(number)
+        text = fmt(parsed, spec, unit or UNIT_WORDS.get(suffix.strip(), ""))
+        given = len(number.partition(".")[2])
+        if not spec and isinstance(parsed, float):  # the program's own decimals, unless there are too many
+            text = f"{float(text.replace(',', '')):,.{min(given, _decimals(parsed, unit or suffix.strip()))}f}"
+        return text + suffix
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if spec:
+        return format(value, spec)
+    if isinstance(value, int):
+        return f"{value:,}"
+    text = f"{value:,.{_decimals(value, unit)}f}"
+    if UNIT_WORDS.get(unit, unit) not in ("rate", "x") and "." in text:
+        text = text.rstrip("0").rstrip(".")  # 12.5 min, not 12.50
+    return text
+
+
+def _decimals(value: float, unit: str) -> int:
+    import math
+
+    kind = UNIT_WORDS.get(unit, unit)
+    if kind == "rate":
+        return 1
+    if kind == "x":
+        return 2
+    if kind == "mib":
+        return 0
+    if value == 0:
+        return 3  # 0.0% as printed stays 0.0%; a float 0.0 prints as 0
+    if not math.isfinite(value) or abs(value) >= 1000:
+        return 0
+    return max(0, 3 - math.floor(math.log10(abs(value))))  # 4 significant figures
+
+
+def unit_of(key: str = "", after: str = "") -> str:
+    """The unit of a figure: the word that follows the marker on the page ("<!-- raw: ... --> ms", "-->x"), else
+    its data key or a raw marker's pattern (tokens_per_s, ttft_median_ms, weights_read_ms, gb_per_s, ...)."""
+    word = re.match(r"\s*(tokens/s|tok/s|req/s|GB/s|TB/s|TFLOP/s|MiB|GiB|ms|µs|us|s|%)(?![\w/])|(x)(?![\w/])", after)
+    if word:
+        return "x" if word.group(2) else UNIT_WORDS[word.group(1)]
+    key = key.lower()
+    if re.search(r"tokens_per_s|gb_per_s|tokens/s|gb/s|_tflops", key):
+        return "rate"
+    if re.search(r"_ms\b|_ms_|\bms_", key):
+        return "ms"
+    if re.search(r"_mb\b|_mib\b", key):
+        return "mib"
+    return ""
+
+
 def _result(device: str, workload: str, step: str) -> dict | None:
     if device not in _bench:
         raise ValueError(f"bench marker: no docs/data/{device}.json")
@@ -101,21 +181,21 @@ def _value(r: dict | None, field: str) -> str:
     if r is None:
         return "-"
     if field == "tokens_per_s":
-        return f"{r['tokens_per_s']:.1f}"
+        return fmt(r["tokens_per_s"], unit="rate")
     if field == "ttft_s":
-        return f"{r['ttft_median_ms'] / 1000:.1f} s"
+        return fmt(r["ttft_median_ms"] / 1000, ".1f") + " s"
     if field == "ttft_ms":
-        return f"{r['ttft_median_ms']:.0f} ms"
+        return fmt(r["ttft_median_ms"], ",.0f") + " ms"
     if field == "peak_mib":
-        return f"{r['peak_memory_mb']:.0f} MiB"
+        return fmt(r["peak_memory_mb"], unit="mib") + " MiB"
     if field == "roofline":
-        return f"{r['roofline_tokens_per_s_batch1']:,.0f}"
+        return fmt(r["roofline_tokens_per_s_batch1"], ",.0f")
     if field == "weight_mib":
-        return f"{r['weight_mb']:.0f} MiB"
+        return fmt(r["weight_mb"], unit="mib") + " MiB"
     if field == "bandwidth_tbs":
-        return f"{r['bandwidth_gbs'] / 1000:.1f} TB/s"
+        return fmt(r["bandwidth_gbs"] / 1000, ".1f") + " TB/s"
     if field == "generated_tokens":
-        return str(r["generated_tokens"])
+        return fmt(r["generated_tokens"])
     raise ValueError(f"bench-value: unknown field {field!r}")
 
 
@@ -188,7 +268,7 @@ def check_quotes(quotes: list[dict]) -> list[str]:
 
 def _ttft(r: dict) -> str:
     ms = r["ttft_median_ms"]
-    return f"{ms / 1000:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
+    return fmt(ms / 1000, ".1f") + " s" if ms >= 1000 else fmt(ms, ".0f") + " ms"
 
 
 def _html_table(header: list[str], rows: list[list[str]], cls: str = "bench") -> str:
@@ -215,21 +295,21 @@ def bench_table(device: str, workload: str, *steps: str) -> str:
                         + ["", ""])
             continue
         first = first or r
-        for field, text in (("tokens_per_s", f"{r['tokens_per_s']:.1f}"), ("ttft", _ttft(r)),
-                            ("peak_mib", f"{r['peak_memory_mb']:.0f}")):
+        for field, text in (("tokens_per_s", fmt(r["tokens_per_s"], unit="rate")), ("ttft", _ttft(r)),
+                            ("peak_mib", fmt(r["peak_memory_mb"], unit="mib"))):
             _quote(device, workload, step, field, text, labelled=True)
         kind = "RSS" if r["peak_memory_kind"] == "process RSS" else "allocated"
-        rows.append([step, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x",
-                     f"{r['tokens_per_s'] / prev['tokens_per_s']:.2f}x" if prev else "-"]
-                    + ([f"{r['tokens_per_s'] / cb['tokens_per_s']:.2f}x"] if cb else [])
-                    + [_ttft(r), f"{r['peak_memory_mb']:.0f}"])
+        rows.append([step, fmt(r["tokens_per_s"], unit="rate"), fmt(r["tokens_per_s"] / first["tokens_per_s"], ".2f") + "x",
+                     fmt(r["tokens_per_s"] / prev["tokens_per_s"], ".2f") + "x" if prev else "-"]
+                    + ([fmt(r["tokens_per_s"] / cb["tokens_per_s"], ".2f") + "x"] if cb else [])
+                    + [_ttft(r), fmt(r["peak_memory_mb"], unit="mib")])
         prev = r
     header = (["step", "tokens/s", f"vs {steps[0]}", "vs previous"] + (["vs hf-cb"] if cb else [])
               + ["TTFT median", f"peak MiB ({kind})"])
     nf = _bench[device]["workloads"].get(workload, {}).get("not_finished", {})
     for step in steps:
         if step in nf and _result(device, workload, step) is None:
-            rows[steps.index(step)][1] = f"not finished: stopped after {nf[step]:.0f} s"
+            rows[steps.index(step)][1] = "not finished: stopped after " + fmt(nf[step], ",.0f") + " s"
     return _html_table(header, rows) + "\n\n" + _caption(device, workload)
 
 
@@ -261,7 +341,7 @@ def _lanes_text(d: dict, workloads) -> str:
             continue
         calls = sorted({r.get("call", 1) for r in e["steps"].values()})
         out.append(f": {', '.join(laned)} ran in lanes (up to {max(e['steps'][s]['lanes'] for s in laned)} processes "
-                   f"sharing the GPU machine), the others alone" + (f", in {len(calls)} device calls" if len(calls) > 1
+                   f"sharing the GPU machine), the others alone" + (f", in {len(calls)} jobs" if len(calls) > 1
                                                                      else "") + "; " + _calibration_text(e))
     return "".join(out)
 
@@ -281,7 +361,7 @@ def _calibration_pairs(e: dict) -> list[tuple[int, str, float, float]]:
 
 def _calibration_text(e: dict) -> str:
     pairs = _calibration_pairs(e)
-    return "in lanes " + ", ".join(f"{step} made {lane / alone:.2f}x its tokens/s alone (call {call})"
+    return "in lanes " + ", ".join(f"{step} made {fmt(lane / alone, '.2f')}x its tokens/s alone (job {call})"
                                    for call, step, alone, lane in pairs) if pairs else "not calibrated"
 
 
@@ -290,8 +370,9 @@ def bench_calibration(device: str, workload: str) -> str:
     pairs = _calibration_pairs(e)
     if not pairs:
         raise ValueError(f"bench-calibration: docs/data/{device}.json {workload!r} has no step measured alone and in lanes")
-    rows = [[str(call), step, f"{alone:.1f}", f"{lane:.1f}", f"{lane / alone:.2f}x"] for call, step, alone, lane in pairs]
-    return (_html_table(["device call", "step", "tokens/s alone", "tokens/s in lanes", "lanes / alone"], rows)
+    rows = [[str(call), step, fmt(alone, unit="rate"), fmt(lane, unit="rate"), fmt(lane / alone, ".2f") + "x"]
+            for call, step, alone, lane in pairs]
+    return (_html_table(["job", "step", "tokens/s alone", "tokens/s in lanes", "lanes / alone"], rows)
             + f"\n\n<small>**{run_name(device, workload)}**, `docs/data/{device}.json`.</small>")
 
 
@@ -333,8 +414,12 @@ def bench_matrix(spec: str) -> str:
         if d not in devices:
             devices.append(d)
     captions = [_caption(d, *dict.fromkeys(wl for dd, wl in cols if dd == d)) for d in devices]
-    pending = sorted({f"{step} {why}" for d, wl in cols for step, why in
-                      _bench[d]["workloads"].get(wl, {}).get("pending", {}).items() if step in steps})
+    by_why: dict = {}  # one note per reason: "step18, step19, step20: newer than this run"
+    for d, wl in cols:
+        for step, why in _bench[d]["workloads"].get(wl, {}).get("pending", {}).items():
+            if step in steps and step not in by_why.setdefault(why, []):
+                by_why[why].append(step)
+    pending = [f"{', '.join(sorted(s, key=_step_order))}: {why}" for why, s in sorted(by_why.items())]
     return (_html_table(header, rows) + "\n\n<small>tokens/s; - = not measured"
             + (f" ({'; '.join(pending)})" if pending else "") + ".</small>\n\n"
             + "\n\n".join(captions))
@@ -369,8 +454,8 @@ def bench_ratio(device: str, workload: str, a: str, b: str, labelled: bool = Tru
     if ra is None or rb is None:
         return "(not measured)"
     for step, r in ((a, ra), (b, rb)):
-        _quote(device, workload, step, "tokens_per_s", f"{r['tokens_per_s']:.1f}", labelled)
-    return f"{ra['tokens_per_s'] / rb['tokens_per_s']:.2f}x"
+        _quote(device, workload, step, "tokens_per_s", fmt(r["tokens_per_s"], unit="rate"), labelled)
+    return fmt(ra["tokens_per_s"] / rb["tokens_per_s"], ".2f") + "x"
 
 
 def fig_value(path: str) -> str:
@@ -378,8 +463,8 @@ def fig_value(path: str) -> str:
     for key in path.split("."):
         node = node[int(key)] if isinstance(node, list) else node[key]
     if isinstance(node, float):
-        return f"{100 * node:.0f}%" if node <= 1 else f"{node:.1f}"
-    return str(node)
+        return fmt(node, ".0%") if node <= 1 else fmt(node, ".1f")
+    return fmt(node)
 
 
 def suite_value(path: str) -> str:
@@ -387,7 +472,7 @@ def suite_value(path: str) -> str:
     node = _suite
     for key in path.split("."):
         node = node[int(key)] if isinstance(node, list) else node[key]
-    return f"{node:,}" if isinstance(node, int) else str(node)
+    return fmt(node)
 
 
 def suite_table(name: str) -> str:
@@ -397,13 +482,13 @@ def suite_table(name: str) -> str:
     rows = ["| steps | Parts | `make test` (2 workers) | CI on a fresh clone | |", "|---|---|---|---|---|"]
     for p in s["projection"]:
         kind = "measured" if p["steps"] == s["steps"] else "projected"
-        ci = f"{p['ci_minutes']} min" if p.get("ci_minutes") else "-"
-        rows.append(f"| {p['steps']} | {p['parts']} | {p['full_minutes']} min | {ci} | {kind} |")
+        ci = f"{fmt(p['ci_minutes'])} min" if p.get("ci_minutes") else "-"
+        rows.append(f"| {fmt(p['steps'])} | {fmt(p['parts'])} | {fmt(p['full_minutes'])} min | {ci} | {kind} |")
     return ("\n".join(rows) + f"\n\n<small>Measured with `{s['command']}` ({s['machine']}, {s['date']}): a new "
-            f"step's tests take {s['new_step_seconds']} s (a new step is a copy of the newest; this is what "
+            f"step's tests take {fmt(s['new_step_seconds'], unit='s')} s (a new step is a copy of the newest; this is what "
             f"{s['new_step_like']}, the step before the newest, costs), the real-model tests of a Part's last step "
-            f"{s['part_end_extra_seconds']} s more; a projection adds them, shared by the two workers, and CI adds "
-            f"its set-up of {s['ci']['setup_s']:.0f} s.</small>")
+            f"{fmt(s['part_end_extra_seconds'], unit='s')} s more; a projection adds them, shared by the two workers, and CI adds "
+            f"its set-up of {fmt(s['ci']['setup_s'], ',.0f')} s.</small>")
 
 
 def _files() -> dict:
@@ -447,8 +532,6 @@ def data_path(file: str, path: str):
     return node
 
 
-def _format(value, spec: str) -> str:
-    return format(value, spec) if spec else (f"{value:,}" if isinstance(value, int) else str(value))
 
 
 def _bench_path_quote(file: str, path: str, text: str, marker_at: int) -> None:
@@ -459,13 +542,13 @@ def _bench_path_quote(file: str, path: str, text: str, marker_at: int) -> None:
         _quote(file, wl, step, field, text, _names_its_run(file, wl, marker_at))
 
 
-def data_value(file: str, path: str, spec: str, marker_at: int) -> str:
-    text = _format(data_path(file, path), spec)
+def data_value(file: str, path: str, spec: str, marker_at: int, after: str = "") -> str:
+    text = fmt(data_path(file, path), spec, unit_of(path.rsplit(".", 1)[-1], after))
     _bench_path_quote(file, path, text, marker_at)
     return text
 
 
-def calc_value(expr: str, marker_at: int) -> str:
+def calc_value(expr: str, marker_at: int, after: str = "") -> str:
     """`{file:path}` values in an arithmetic expression, then ` as SPEC` (a format spec) if given."""
     expr, _, spec = expr.partition(" as ")
     values = []
@@ -479,21 +562,49 @@ def calc_value(expr: str, marker_at: int) -> str:
     code = re.sub(r"\{([^}]+)\}", sub, expr)
     if not re.fullmatch(r"[\s0-9.+\-*/()_v\[\]]*", code):
         raise ValueError(f"calc marker: only numbers, {{file:path}} values and + - * / ** ( ) are allowed: {expr!r}")
-    return _format(eval(code, {"__builtins__": {}}, {"_v": values}), spec.strip())  # noqa: S307 (checked above)
+    return fmt(eval(code, {"__builtins__": {}}, {"_v": values}), spec.strip(), unit_of(after=after))  # noqa: S307 (checked above)
 
 
 def _value_text(v) -> str:
-    return f"{v:.1f}" if isinstance(v, float) else str(v)
+    return fmt(v)
 
 
-def raw_value(file: str, pattern: str) -> str:
+def _raw_runs() -> dict:
+    path = DATA / "raw" / "runs.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def raw_quote(file: str, step: str, field: str, captured: str, text: str, marker_at: int) -> None:
+    """A raw marker's `= STEP FIELD`: the figure is STEP's FIELD in the run docs/data/raw/runs.json names for FILE;
+    it joins the ledger like a bench-value of that run (labelled when the run's name is in its paragraph)."""
+    runs = _raw_runs()
+    if file not in runs:
+        raise ValueError(f"raw marker: '= {step} {field}' on docs/data/raw/{file}, which docs/data/raw/runs.json "
+                         f"does not describe (its run, device, workload, model, new tokens, seats)")
+    r = runs[file]
+    seats = r.get("seats_of", {}).get(step, r.get("seats"))
+    number = float(captured.replace(",", "").rstrip("%x"))
+    md = _page["markdown"]
+    start, end = md.rfind("\n\n", 0, marker_at), md.find("\n\n", marker_at)
+    paragraph = " ".join(re.sub(r"<!--.*?-->", "", md[start + 1:end if end >= 0 else len(md)], flags=re.S).lower().split())
+    QUOTES.append({"page": _page["uri"], "run": r["run"], "workload": r["workload"], "canonical": False,
+                   "measurement": [r["device"], r["workload"], r["model"], r.get("max_tokens", 128), seats,
+                                   r.get("variant", ""), step, FIELD_KEY.get(field, field)],
+                   "value": number, "shown": text, "labelled": r["run"].lower() in paragraph})
+
+
+def raw_value(file: str, pattern: str, spec: str = "", after: str = "", quote: str = "", marker_at: int = 0) -> str:
     path = DATA / "raw" / file
     if not path.is_file():
         raise ValueError(f"raw marker: no docs/data/raw/{file}")
     m = re.search(pattern, path.read_text())
     if not m:
         raise ValueError(f"raw marker: {pattern!r} not found in docs/data/raw/{file}")
-    return m.group(1) if m.groups() else m.group(0)
+    captured = m.group(1) if m.groups() else m.group(0)
+    text = fmt(captured, spec, unit_of(pattern, after))
+    if quote:
+        raw_quote(file, *quote.split(), captured, text, marker_at)
+    return text
 
 
 def raw_block(file: str, lines: str = "") -> str:
@@ -601,7 +712,7 @@ def fig_table(name: str) -> str:
 def ms_table() -> str:
     m = _fig["ms_per_token"]
     marks = [n for n in (2, 8, 16, 32, 64, 128, 160, 256) if n <= len(m["step01"])]
-    rows = [[str(n), str(m["prompt_tokens"] + n - 1)] + [f"{m[s][n - 1]:.1f}" for s in ("step01", "step02", "step03")]
+    rows = [[str(n), str(m["prompt_tokens"] + n - 1)] + [fmt(m[s][n - 1], ".1f") for s in ("step01", "step02", "step03")]
             for n in marks]
     return (_html_table(["token #", "sequence length", "step01 ms", "step02 ms", "step03 ms"], rows)
             + "\n\n" + _meta("ms_per_token"))
@@ -609,13 +720,14 @@ def ms_table() -> str:
 
 def utilisation_table() -> str:
     u = _fig["utilisation"]
-    rows = [[r["policy"], f"{100 * r['utilisation']:.0f}%"] for r in u["rows"]]
+    rows = [[r["policy"], fmt(r["utilisation"], ".0%")] for r in u["rows"]]
     return _html_table(["KV memory", "utilisation (tokens stored / slots reserved)"], rows) + "\n\n" + _meta("utilisation")
 
 
 def batch_table() -> str:
     b = _fig["batch_size"]
-    rows = [[str(r["batch"]), str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}"] for r in b["rows"]]
+    rows = [[fmt(r["batch"]), fmt(r["tokens"]), fmt(r["seconds"], ".2f"), fmt(r["tokens_per_s"], unit="rate")]
+            for r in b["rows"]]
     return _html_table(["batch", "tokens", "seconds", "tokens/s"], rows) + "\n\n" + _meta("batch_size")
 
 
@@ -1014,9 +1126,10 @@ MARKERS = [
     (re.compile(r"<!--\s*bench-runs:\s*(\S+)\s*-->"), lambda m, p: bench_runs(m.group(1))),
     (re.compile(r"<!--\s*bench-calibration:\s*(\S+)\s+(\S+)\s*-->"), lambda m, p: bench_calibration(*m.groups())),
     (re.compile(r"<!--\s*data:\s*(\S+)\s+(\S+)(?:\s+(\S+))?\s*-->"),
-     lambda m, p: data_value(m.group(1), m.group(2), m.group(3) or "", m.start())),
-    (re.compile(r"<!--\s*calc:\s*(.+?)\s*-->"), lambda m, p: calc_value(m.group(1), m.start())),
-    (re.compile(r"<!--\s*raw:\s*(\S+)\s+\"(.+?)\"\s*-->"), lambda m, p: raw_value(m.group(1), m.group(2))),
+     lambda m, p: data_value(m.group(1), m.group(2), m.group(3) or "", m.start(), _after(m))),
+    (re.compile(r"<!--\s*calc:\s*(.+?)\s*-->"), lambda m, p: calc_value(m.group(1), m.start(), _after(m))),
+    (re.compile(r"<!--\s*raw:\s*(\S+)\s+\"(.+?)\"(?:\s+as\s+(\S+))?(?:\s+=\s+(\S+\s+\S+))?\s*-->"),
+     lambda m, p: raw_value(m.group(1), m.group(2), m.group(3) or "", _after(m), m.group(4) or "", m.start())),
     (re.compile(r"<!--\s*raw-block:\s*(\S+)(?:\s+(\d+-\d+))?\s*-->"), lambda m, p: raw_block(m.group(1), m.group(2) or "")),
     (re.compile(r"<!--\s*figure:\s*(\S+)\s*-->"), lambda m, p: figure(m.group(1), p)),
     (re.compile(r"<!--\s*fig-table:\s*(\S+)\s*-->"), lambda m, p: fig_table(m.group(1))),
@@ -1024,6 +1137,11 @@ MARKERS = [
     (re.compile(r"<!--\s*suite-value:\s*(\S+)\s*-->"), lambda m, p: suite_value(m.group(1))),
     (re.compile(r"<!--\s*suite-table:\s*(\S+)\s*-->"), lambda m, p: suite_table(m.group(1))),
 ]
+
+
+def _after(m) -> str:
+    """The page's text right after a marker (its unit, where the marker's data key does not say it)."""
+    return m.string[m.end():m.end() + 12]
 
 
 def bench_value(m) -> str:
