@@ -19,6 +19,12 @@ TREES = {"host_path_a": "the steps of commit f0995c4 (the keyed torch sampler, o
                         "commit 1f7a7d6, a torch.multinomial per row"}
 
 
+def key(workload: str) -> str:
+    """A workload's name as a key of the summary, without the dots a data marker's path would split at:
+    batch1-0.6 -> batch1-sampled, batch1-0.0 -> batch1-greedy."""
+    return {"batch1-0.6": "batch1-sampled", "batch1-0.0": "batch1-greedy"}.get(workload, workload)
+
+
 def main() -> None:
     calls = {}
     for path in sorted(RAW.glob("host_path_*.jsonl")):
@@ -39,14 +45,14 @@ def main() -> None:
             elif r["kind"] == "phases":  # phases.STEP: the sampled workload; by_workload.WORKLOAD.STEP: every one
                 phases = {"engine_steps": r["engine_steps"],  # phase names with _ for spaces
                           "ms_per_step": {k.replace(" ", "_"): v for k, v in r["ms_per_step"].items()}}
-                workload = r.get("workload", "nano-vllm")
+                workload = key(r.get("workload", "nano-vllm"))
                 if workload == "nano-vllm":
                     call["phases"][step] = phases
                 call.setdefault("phases_by_workload", {}).setdefault(workload, {})[step] = phases
             elif r["kind"] == "gpu_busy":
                 busy = {k: r[k] for k in ("engine_steps", "running_rows", "ms_per_step", "gpu_busy_ms_per_step",
                                           "gpu_busy_share", "kernels_per_step")}
-                workload = r.get("workload", "nano-vllm")
+                workload = key(r.get("workload", "nano-vllm"))
                 if workload == "nano-vllm":
                     call["gpu_busy"][step] = busy
                 call.setdefault("gpu_busy_by_workload", {}).setdefault(workload, {})[step] = busy
