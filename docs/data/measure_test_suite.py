@@ -138,6 +138,7 @@ def main() -> None:
         "ci": ({"setup_s": args.setup_s, "wall_s": round(args.setup_s + full["wall_s"], 1),
                 "minutes": round((args.setup_s + full["wall_s"]) / 60, 1)} if args.setup_s and cold_cache else None),
         "test_seconds_total": round(total, 1),
+        "slowest": [[name, round(seconds, 1)] for name, seconds in sorted(times, key=lambda t: -t[1])[:25]],
         "step_seconds": {s: round(v, 1) for s, v in per_step.items()},
     }
     data.update(project(data))
