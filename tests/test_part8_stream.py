@@ -119,13 +119,16 @@ def test_a_caller_that_falls_behind_gets_the_newest_output(engine, offline):
         outs = []
         async for out in engine.generate("a slow reader", params):
             outs.append(out)
-            if len(outs) == 1:  # busy (the event loop blocked, as by a slow handler) while the steps go on
-                wait_until(lambda: engine.stats["steps"] >= 20)
+            if len(outs) == 1:  # busy (the event loop blocked, as by a slow handler) while 15 more steps run
+                seen = engine.stats["steps"]
+                wait_until(lambda: engine.stats["steps"] >= seen + 15)
         return outs
 
     outs = asyncio.run(slow())
     counts = [len(o.outputs[0].token_ids) for o in outs]
-    assert counts[0] == 1 and counts[1] >= 15 and counts == sorted(set(counts)), counts
+    # The first output may already hold more than one token (a loaded host: two steps ran before the reader woke);
+    # the next one holds every token of the 15 steps the reader missed, not just one more.
+    assert counts[1] >= min(counts[0] + 15, 40) and counts == sorted(set(counts)), counts
     assert len(outs) + engine.stats["coalesced"] == len(want.token_ids)
     assert (outs[-1].outputs[0].text, outs[-1].outputs[0].logprobs) == (want.text, want.logprobs)
 
