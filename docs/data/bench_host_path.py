@@ -121,8 +121,10 @@ def main() -> None:
               "tokens_per_s": statistics.median(values), "all": values}, args.out)
     # batch 1: one prompt of 128 random ids (nano-vllm's id range), 512 new tokens, median of --repeats, alternated
     prompt = nano_vllm_workload(tokenizer)[0][0][:128]
+    batch1_work = {f"batch1-{t}": ([prompt], [SamplingParams(temperature=t, max_tokens=args.batch1_tokens,
+                                                             ignore_eos=True)]) for t in (0.6, 0.0)}
     for temperature in (0.6, 0.0):
-        sp = SamplingParams(temperature=temperature, max_tokens=args.batch1_tokens, ignore_eos=True)
+        sp = batch1_work[f"batch1-{temperature}"][1][0]
         batch1: dict[str, list] = {}
         for repeat in range(args.repeats):
             for step, llm in rotated(engines, repeat):
@@ -131,8 +133,6 @@ def main() -> None:
             emit({**common, "kind": "batch1", "step": step, "temperature": temperature, "prompt_tokens": len(prompt),
                   "new_tokens": args.batch1_tokens, "tokens_per_s": statistics.median(values), "all": values},
                  args.out)
-    batch1_work = {f"batch1-{t}": ([prompt], [SamplingParams(temperature=t, max_tokens=args.batch1_tokens,
-                                                             ignore_eos=True)]) for t in (0.6, 0.0)}
     for step, llm in engines.items():
         # by phase: one run of each workload with the phase timers waiting for the GPU at each phase's end
         for name, (prompts, params) in {**workloads, **batch1_work}.items():

@@ -25,6 +25,15 @@ def key(workload: str) -> str:
     return {"batch1-0.6": "batch1-sampled", "batch1-0.0": "batch1-greedy"}.get(workload, workload)
 
 
+def keep(call: dict, kind: str, record: dict, step: str, value: dict) -> None:
+    """call[kind][step]: the sampled workload's (what the chapters first quoted); call[kind + "_by_workload"]
+    [workload][step]: every workload's."""
+    workload = key(record.get("workload", "nano-vllm"))
+    if workload == "nano-vllm":
+        call[kind][step] = value
+    call.setdefault(f"{kind}_by_workload", {}).setdefault(workload, {})[step] = value
+
+
 def main() -> None:
     calls = {}
     for path in sorted(RAW.glob("host_path_*.jsonl")):
@@ -45,17 +54,11 @@ def main() -> None:
             elif r["kind"] == "phases":  # phases.STEP: the sampled workload; by_workload.WORKLOAD.STEP: every one
                 phases = {"engine_steps": r["engine_steps"],  # phase names with _ for spaces
                           "ms_per_step": {k.replace(" ", "_"): v for k, v in r["ms_per_step"].items()}}
-                workload = key(r.get("workload", "nano-vllm"))
-                if workload == "nano-vllm":
-                    call["phases"][step] = phases
-                call.setdefault("phases_by_workload", {}).setdefault(workload, {})[step] = phases
+                keep(call, "phases", r, step, phases)
             elif r["kind"] == "gpu_busy":
                 busy = {k: r[k] for k in ("engine_steps", "running_rows", "ms_per_step", "gpu_busy_ms_per_step",
                                           "gpu_busy_share", "kernels_per_step")}
-                workload = key(r.get("workload", "nano-vllm"))
-                if workload == "nano-vllm":
-                    call["gpu_busy"][step] = busy
-                call.setdefault("gpu_busy_by_workload", {}).setdefault(workload, {})[step] = busy
+                keep(call, "gpu_busy", r, step, busy)
     # HF's continuous batching on the same workload: hf_cb.txt ran in host_path_b, hf_cb_X.txt in host_path_X.
     # Its BENCH_JSON line's fields are read by name (hf_cb.txt holds only the line's first 700 characters).
     for path in sorted(RAW.glob("hf_cb*.txt")):
