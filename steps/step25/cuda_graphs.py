@@ -66,8 +66,10 @@ class StaticDecodeInputs:
     its context are never read, so they need no clearing.
 
     The staging copies are pinned (page-locked) on CUDA, so the copies are queued and the host goes on. The host
-    may rewrite staging only once the copies of the step before have run: the engine's one wait per step (reading
-    the sampled tokens) comes after the forward, so by the next fill they have."""
+    may rewrite staging only once the copies of the step before have run. step25: with async_scheduling the engine
+    fills step N + 2 before it waits for step N + 1, so nothing else promises that: an event recorded behind each
+    fill's copies (copied) is waited for before the next fill writes the staging. By then step N's results were read,
+    and step N + 1's copies, queued right after them, have run or are about to: the wait is short."""
 
     def __init__(self, max_seqs: int, max_blocks: int, device: torch.device):
         self.max_seqs, self.max_blocks, self.device = max_seqs, max_blocks, device
@@ -85,6 +87,7 @@ class StaticDecodeInputs:
         self.tile_seq = torch.arange(max_seqs, dtype=torch.int32, device=device)
         self.tile_first = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.copies = 0  # host-to-device copies queued (two per fill)
+        self.copied = torch.cuda.Event() if pin else None  # step25: recorded behind each fill's copies
 
     def fill(self, seqs: list, tables, rows: list[int], size: int, block_size: int, scratch_block: int) -> None:
         """The decodes of `seqs` (each: its newest token, the one without K/V yet; rows: their rows in the runner's
@@ -94,6 +97,8 @@ class StaticDecodeInputs:
         num, pad = len(seqs), size - len(seqs)
         if not 0 < num <= size <= self.max_seqs:
             raise ValueError(f"fill: {num} sequences in a batch of {size} (at most {self.max_seqs})")
+        if self.copied is not None:  # step25: the last fill's copies have read the staging
+            self.copied.synchronize()
         positions = [seq.num_computed_tokens for seq in seqs]
         ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
         self.host_longs[:2, :size] = torch.tensor([ids + [0] * pad, positions + [0] * pad])
@@ -108,6 +113,8 @@ class StaticDecodeInputs:
         self.longs.copy_(self.host_longs, non_blocking=True)  # 3 x max_seqs int64: one small copy
         used = self.max_seqs + size * self.max_blocks  # the lengths and the first `size` table rows, contiguous
         self.ints[:used].copy_(self.host_ints[:used], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         self.copies += 2
 
 

@@ -40,11 +40,20 @@ Added by step, oldest first (each step's outputs equal the one before it, with t
   step(partial=True) also returns the requests that got a token and go on, their text held back by the longest stop
   string's length minus one, so that a later stop string never takes back text already sent; add_request takes the
   caller's request_id; abort_request returns what it dropped.
+- step25: overlap scheduling, async_scheduling=True (vLLM's name; None, the default: on with CUDA, off elsewhere).
+  One step schedules step N + 1 and launches its forward and its sampling before it reads step N's sampled tokens
+  (_step_async): the device runs step N + 1 while the host reads step N, finishes what step N finished, builds the
+  outputs, and schedules and prepares the next step. A token the host has not read is PENDING in its sequence
+  (sequence.py); the device keeps it (model_runner.py's last_token) and the next step's inputs read it there. Finish
+  is known one step late: a request that step N finishes was already scheduled into step N + 1, whose token for it
+  is thrown away (stats["discarded_tokens"]), never emitted. The CPU runs the same order on its one stream: nothing
+  overlaps there, but the outputs are checked. async_scheduling=False runs step24's order.
 """
 from __future__ import annotations
 
 import time
 import weakref
+from types import SimpleNamespace
 
 import torch
 
@@ -72,6 +81,20 @@ def check_enforce_eager(enforce_eager) -> bool:
     return enforce_eager
 
 
+def choose_async_scheduling(asked, device: torch.device, tensor_parallel_size: int) -> bool:
+    """step25: async_scheduling, True, False or None (on with CUDA, off elsewhere). With tensor parallelism it is
+    off: the workers would need rank 0's sampled tokens on the device, which this step does not send them yet."""
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError(f"async_scheduling must be True, False or None, got {asked!r}")
+    if tensor_parallel_size > 1:
+        if asked:
+            raise ValueError(f"async_scheduling=True with tensor_parallel_size={tensor_parallel_size}: overlap "
+                             "scheduling is not built for tensor parallelism yet (the workers would need rank 0's "
+                             "sampled tokens); use async_scheduling=False or None with tensor_parallel_size > 1")
+        return False
+    return device.type == "cuda" if asked is None else asked
+
+
 def choose_attention_backend(asked: str | None, device: torch.device) -> str:
     """"triton" (the kernels for prefill chunks and decodes) or "torch" (step14_7's loop). Default: triton on
     CUDA when Triton is installed, torch elsewhere. On a CPU the kernel runs only in Triton's interpreter."""
@@ -95,11 +118,13 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_kv_tokens: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
                  attention_backend: str | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, async_scheduling: bool | None = None):
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)  # "auto" or "int8", checked before anything loads
         self.enforce_eager = check_enforce_eager(enforce_eager)
         check_tensor_parallel_size(tensor_parallel_size)  # its type now; how it splits the model once it is found
         self.device, self.dtype = resolve_device_dtype(device, dtype)
+        self.async_scheduling = choose_async_scheduling(async_scheduling, self.device, tensor_parallel_size)
+        self.in_flight: SimpleNamespace | None = None  # step25: the step launched and not read yet
         if max_kv_tokens is None and self.device.type == "cpu":
             max_kv_tokens = CPU_DEFAULT_KV_TOKENS  # the CPU knob; on CUDA, None = size the pool from free memory
         check_engine_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -137,6 +162,9 @@ class LLM:
             raise
         self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
         self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers
+        # step25: tokens computed for requests that had finished (thrown away); launches that began while the step
+        # before still ran on the device (CUDA: its results' event not reached yet)
+        self.stats.update(discarded_tokens=0, overlapped_launches=0)
         self.max_model_len = self.model.config.max_position_embeddings
         num_blocks = self.memory["num_blocks"]
         if self.cuda_graphs["enabled"]:
@@ -150,13 +178,18 @@ class LLM:
                  f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
                  if self.tp.size > 1 else "tensor parallel: off (1 rank)")
         kv = self.memory["kv_dtype"] + (" + an fp32 scale per token and KV head" if kv_cache_dtype == "int8" else "")
+        scheduling = ("scheduling: async (step N + 1 launched before step N's tokens are read"
+                      f"{'; one stream on the CPU: the order, no overlap' if self.device.type != 'cuda' else ''})"
+                      if self.async_scheduling else
+                      f"scheduling: sync (each step's tokens read before the next step is scheduled"
+                      f"{'; async_scheduling is off with tensor parallelism' if self.tp.size > 1 else ''})")
         self.backend = (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), continuous batching + "
                         f"chunked prefill + preemption, paged KV ({num_blocks} blocks of {block_size}, KV dtype {kv}, "
                         f"sized by {self.memory['sized_by']}), "
                         f"prefix caching {'on' if enable_prefix_caching else 'off'}, "
                         f"attention: {self.model.attention_backend.name}, elementwise: "
                         f"{'fused kernels' if self.model.ops.name == 'triton' else 'torch operators'}, {graphs}, "
-                        f"{split}")
+                        f"{split}, {scheduling}")
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
         # a request's released blocks free its block-table row in the runner
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
@@ -172,6 +205,7 @@ class LLM:
         if self._finalizer is not None:
             self._finalizer()
         self.is_shut_down = True
+        self.in_flight = None  # step25: its results are not read (runner.release waits for the device first)
         if getattr(self, "runner", None) is not None:
             self.runner.release()
         self.kv_cache = None
@@ -245,7 +279,7 @@ class LLM:
         return request_id
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None  # step25: a step's results to read
 
     def abort_request(self, request_id: str) -> Sequence | None:
         """Drop a waiting or running request: it leaves the queues, releases its KV memory and is never returned.
@@ -266,6 +300,8 @@ class LLM:
         return handed_out + self._step(partial)
 
     def _step(self, partial: bool = False) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_async(partial)
         timer = self.timers.phase
         with timer("schedule"):
             work = self.scheduler.schedule()  # [(sequence, tokens to compute)]: decodes and chunks alike
@@ -309,10 +345,11 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c) for c in check_conversations(conversations)]
         return self.generate(prompts, sampling_params)
 
-    def _check_stop(self, r: Sequence) -> Finish | None:
+    def _check_stop(self, r: Sequence, last: int, num_outputs: int) -> Finish | None:
         """-> a Finish once the request must end, else None. Text grows through the request's detokenizer, and
-        stop strings are looked for only where new text could complete one: O(1) per token, not O(n)."""
-        sp, last = r.params, r.output_ids[-1]
+        stop strings are looked for only where new text could complete one: O(1) per token, not O(n).
+        step25: last is its newest token the host knows, its num_outputs-th (a PENDING place may follow it)."""
+        sp = r.params
         if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
             return Finish("stop", None, r.detokenizer.final_text())  # the stop token is not in the text
         if last in sp.stop_token_ids:
@@ -327,7 +364,7 @@ class LLM:
             if hits:
                 cut, stop = min(hits)  # the earliest stop string; the text ends just before it
                 return Finish("stop", stop, text[:window_start + cut])
-        if len(r.output_ids) >= sp.max_tokens:
+        if num_outputs >= sp.max_tokens:
             return Finish("length", None, r.detokenizer.final_text())
         return None
 
@@ -335,18 +372,104 @@ class LLM:
         """Sample one token for each sequence from its row of logits [B, vocab] in one sampler call (the model
         runner's), record them, check which sequences must stop."""
         next_ids, chosen, tops = self.runner.sample(seqs, logits)  # host lists: the step's one wait for the GPU
+        self._record_tokens(seqs, [None] * len(seqs), next_ids, chosen, tops)
+
+    def _record_tokens(self, seqs: list[Sequence], places: list[int | None], next_ids, chosen, tops) -> None:
+        """Record each sequence's new token, check which sequences must stop. step25: places[i] is the index in
+        output_ids of the PENDING place the token fills (async), or None: the token is appended (sync). A sequence
+        that stops is cut after its last token: a PENDING place behind it is dropped."""
         with self.timers.phase("sample"):
             now = time.perf_counter()
-            for seq, top, next_id, logprob in zip(seqs, tops, next_ids, chosen):
+            for i, (seq, place, top, next_id, logprob) in enumerate(zip(seqs, places, tops, next_ids, chosen)):
                 seq.cumulative_logprob += logprob
                 if seq.logprobs is not None:  # the n most likely tokens and the chosen one: {token_id: logprob}
                     top[next_id] = logprob
                     seq.logprobs.append(top)
-                seq.append_token(next_id)
+                if place is None:
+                    seq.append_token(next_id)
+                    places[i] = len(seq.output_ids) - 1
+                else:
+                    seq.replace_pending(place, next_id)
                 seq.metrics.token_times.append(now)
                 seq.metrics.first_token_time = seq.metrics.first_token_time or now
         with self.timers.phase("detokenize"):
-            for seq in seqs:
-                seq.finish = self._check_stop(seq)
+            for seq, place, next_id in zip(seqs, places, next_ids):
+                seq.finish = self._check_stop(seq, next_id, place + 1)
                 if seq.finish is not None:
+                    seq.cut_after(place)
                     seq.metrics.finished_time = now
+
+    # ---- step25: the overlapped loop ------------------------------------------------------------------------
+    def _step_async(self, partial: bool) -> list[RequestOutput]:
+        """One step of the overlapped loop: (1) schedule step N + 1 and launch its forward and its sampling, reading
+        nothing back; (2) only then read step N's tokens and finish what they finish (_read_step); (3) count step
+        N + 1's tokens as computed, for the requests still running. The device runs step N + 1 during (2), (3) and
+        the next call's (1). A call with nothing to schedule still reads the step in flight."""
+        with self.timers.phase("schedule"):
+            work = self.scheduler.schedule()  # sees step N's tokens as PENDING places: one more token each
+        launched = self._launch(work) if work else None
+        step_n, self.in_flight = self.in_flight, launched
+        outputs = self._read_step(step_n, partial) if step_n is not None else []
+        if work:
+            with self.timers.phase("schedule"):  # a request step N finished or that was aborted is gone already
+                self.scheduler.postprocess([(seq, n) for seq, n in work if seq.status is SequenceStatus.RUNNING])
+        return outputs
+
+    def _launch(self, work) -> SimpleNamespace | None:
+        """Step N + 1's forward and sampling, queued on the device. Each sequence that samples gets a PENDING place
+        for its token. -> the step in flight: its sampling sequences, their places, its results on their way to the
+        host (None: no sequence samples, every row a chunk before its prompt's end)."""
+        timer = self.timers.phase
+        scheduled = [seq for seq, _ in work]
+        self.timers.steps += 1
+        with timer("schedule"):
+            if self.in_flight is not None and not self.in_flight.done():  # the device still runs step N
+                self.stats["overlapped_launches"] += 1
+            decodes = sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
+            self.stats["decode_steps"] += bool(decodes)
+            self.stats["decode_rows"] += decodes
+            self.stats["prefill_chunks"] += len(work) - decodes
+            # a sequence gets a token if this step reaches its last token (a prompt chunk before the end does not)
+            rows = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n == seq.num_tokens]
+        try:
+            logits = self.runner.execute(work)  # one row per scheduled sequence, in that order
+            if not rows:
+                return None
+            with timer("sample"):
+                sampled = [scheduled[i] for i in rows]
+                if len(rows) < len(scheduled):
+                    logits = logits[to_device(torch.tensor(rows), logits.device)]
+            results = self.runner.launch_sample(sampled, logits, keep_on_device=True)
+            places = [seq.append_pending() for seq in sampled]  # after the draw: its keys count the outputs before
+        except BaseException:  # as in the sync step: these sequences are half-updated, drop them
+            for seq in scheduled:
+                self.abort_request(seq.request_id)
+            raise
+        event = results.copies.event
+        return SimpleNamespace(seqs=sampled, places=places, results=results,
+                               done=lambda: event is None or event.query())
+
+    def _read_step(self, step: SimpleNamespace, partial: bool) -> list[RequestOutput]:
+        """Step N's tokens, read one step late (the wait for the device is here, while step N + 1 is queued behind):
+        each fills its PENDING place, then what finishes is finished. A sequence that finished at the step before
+        (its token here was computed after its end) or was aborted is skipped: the token is thrown away."""
+        try:
+            next_ids, chosen, tops = self.runner.read_sampled(step.results)
+        except BaseException:
+            for seq in step.seqs:
+                self.abort_request(seq.request_id)
+            raise
+        live = [i for i, seq in enumerate(step.seqs) if seq.status is not SequenceStatus.FINISHED]
+        self.stats["discarded_tokens"] += len(step.seqs) - len(live)
+        seqs = [step.seqs[i] for i in live]
+        self._record_tokens(seqs, [step.places[i] for i in live], [next_ids[i] for i in live],
+                            [chosen[i] for i in live], [tops[i] for i in live])
+        with self.timers.phase("schedule"):
+            finished = [seq for seq in seqs if seq.finish is not None]
+            for seq in finished:
+                self.scheduler.finish(seq)  # its blocks are released; its place in step N + 1 is thrown away later
+        with self.timers.phase("detokenize"):
+            outputs = [seq.to_output() for seq in finished]
+            if partial:  # the requests that got a token and go on
+                outputs += [seq.partial_output() for seq in seqs if seq.finish is None]
+            return outputs

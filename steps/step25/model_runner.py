@@ -25,6 +25,14 @@ its KV heads' cache; rank 0's is the engine's, and before each step it hands the
 agree on the pool's size (the smallest any rank can hold), so a block id means the same slots on every rank. Rank 0
 decides each sequence's block-table row and its new blocks (BlockTables.changes) and sends them with the step; every
 rank writes them into its own rows, so every rank's rows hold the same tables.
+
+step25: overlap scheduling (the engine's async_scheduling). The engine launches step N + 1 before it reads step N's
+sampled tokens, so a sequence's newest input token may be PENDING on the host (sequence.py). The device knows it:
+after sampling, each sampled token is written into last_token, one entry per block-table row (the row of the
+sequence it was sampled for). A step's PENDING input ids are replaced on the device by their rows' entries
+(fill_pending), in the eager path and in the graphs' static inputs alike. Sampling is cut in two halves:
+launch_sample queues the work and the copies of its results to the host, behind an event; read_sampled waits for
+that event and makes the lists. sample() is both at once, as before.
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ from .kernels.sampling import draw_params, fused_draw, triton
 from .model import CausalLM, KVCache, to_device  # noqa: F401  (to_device: imported from here too)
 from .parallel import WorkerError
 from .sampler import sample_batch, wants_filters
-from .sequence import Sequence
+from .sequence import PENDING, Sequence
 
 CPU_DEFAULT_KV_TOKENS = 32768  # on the CPU, max_kv_tokens sizes the cache (default 32768 tokens)
 
@@ -160,6 +168,8 @@ class ModelRunner:
                               and getattr(getattr(model, "ops", None), "name", None) == "triton")
         self.draws = {"fused": 0, "torch": 0}  # sampling steps by path
         self.workers = workers  # rank 0 of a tensor-parallel group: parallel.py's Workers (None: alone, or a worker)
+        # step25: [max_num_seqs] int64, the newest token sampled for each block-table row, written on the device
+        self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
 
     # ---- the KV cache -------------------------------------------------------------------------------------
     def allocate_kv_cache(self, max_kv_tokens: int | None, block_size: int, warmup_tokens: int,
@@ -267,15 +277,27 @@ class ModelRunner:
         block_size = block_size or self.kv_cache.data.shape[3]
         tables = self.block_tables
         rows = tables.write(tables.changes(work) if changes is None else changes)  # each row holds its whole table
-        ids, positions = [], []
-        for seq, n in work:
+        ids, positions, pending = [], [], []
+        for (seq, n), row in zip(work, rows):
             start = seq.num_computed_tokens
+            if seq.token_ids[start + n - 1] == PENDING:  # step25: only a sequence's newest token can be pending
+                pending.append((len(ids) + n - 1, row))
             ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
         positions = torch.tensor(positions)  # [N]
         slots = tables.slots(rows, positions, [n for _, n in work], block_size)  # [N]: where the K/V write goes
         metadata = self.model.attention_backend.metadata(work, to_device(slots, self.device), block_size, tables, rows)
-        return to_device(torch.tensor(ids), self.device), to_device(positions, self.device), metadata
+        input_ids = to_device(torch.tensor(ids), self.device)
+        if pending:
+            self.fill_pending(input_ids, pending)
+        return input_ids, to_device(positions, self.device), metadata
+
+    def fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, int]]) -> None:
+        """step25: the input ids the host does not know yet, each a (flat index into input_ids, its sequence's
+        block-table row): input_ids[index] = last_token[row], on the device, queued behind the step before's sampling
+        (which wrote last_token). One small copy to the device (pinned, no wait), one gather and one scatter."""
+        index = to_device(torch.tensor(pending).T.contiguous(), self.device)  # [2, P]: flat indices, rows
+        input_ids[index[0]] = self.last_token[index[1]]
 
     def graph_can_run(self, work: list[tuple[Sequence, int]]) -> bool:
         """A step of decodes only (each row its sequence's newest token), no larger than the largest graph."""
@@ -311,6 +333,10 @@ class ModelRunner:
             with self.timers.phase("prepare inputs"):
                 rows = self.block_tables.write(changes)  # the new blocks, in place
                 size = self.graphs.prepare([seq for seq, _ in work], self.block_tables, rows)
+                pending = [(i, row) for i, ((seq, _), row) in enumerate(zip(work, rows))
+                           if seq.token_ids[seq.num_computed_tokens] == PENDING]  # step25: row i is sequence i
+                if pending:
+                    self.fill_pending(self.graphs.inputs.input_ids, pending)
             with self.timers.phase("forward"):
                 self.stats["forwards"] += 1
                 self.stats["graph_replays" if size in self.graphs.graphs else "eager_forwards"] += 1
@@ -328,7 +354,13 @@ class ModelRunner:
         sequence that asked for logprobs its top ones as {token: logprob}, else None). Everything is computed on
         the device; read_back brings it to the host in the step's one wait. When some row samples, none asks for a
         filter and the kernels run (CUDA, the triton backend), the draw and the chosen tokens' logprobs are one
-        kernel (kernels/sampling.py); else sampler.py's operators."""
+        kernel (kernels/sampling.py); else sampler.py's operators. step25: launch_sample, then read_sampled."""
+        return self.read_sampled(self.launch_sample(seqs, logits))
+
+    def launch_sample(self, seqs: list[Sequence], logits: torch.Tensor, keep_on_device: bool = False):
+        """step25: sample's first half: the sampling queued on the device and the copies of its results to the host
+        queued behind it, with no wait. keep_on_device: also write each sampled token into last_token at its
+        sequence's block-table row, for the next step's PENDING inputs. -> what read_sampled reads."""
         with self.timers.phase("sample"):
             params = [s.params for s in seqs]
             positions = [len(s.output_ids) for s in seqs]
@@ -354,21 +386,37 @@ class ModelRunner:
                 picked = token_logprobs[index] if token_logprobs is not None else torch.log_softmax(logits[index], -1)
                 values, ids = picked.topk(n, dim=-1) if n > 0 else (picked[:, :0], picked[:, :0].long())
                 tops += [values, ids]
-            next_list, chosen_list, *top_lists = self.read_back(next_ids, chosen, *tops)
-            top = [None] * len(seqs)
+            if keep_on_device:  # the next step's inputs read them from here, on the device
+                rows = [self.block_tables.row_of[s.request_id] for s in seqs]
+                self.last_token.index_copy_(0, to_device(torch.tensor(rows), logits.device), next_ids)
+            return SimpleNamespace(copies=self.start_read_back(next_ids, chosen, *tops), asked=asked, num=len(seqs))
+
+    def read_sampled(self, launched: SimpleNamespace) -> tuple[list[int], list[float], list]:
+        """step25: sample's second half: wait for launch_sample's copies, -> sample's lists."""
+        with self.timers.phase("sample"):
+            next_list, chosen_list, *top_lists = self.read_back(launched.copies)
+            asked, top = launched.asked, [None] * launched.num
             for k, rows in enumerate(asked.values()):
                 for row, values, ids in zip(rows, top_lists[2 * k], top_lists[2 * k + 1]):
                     top[row] = dict(zip(ids, values))
         return next_list, chosen_list, top
 
-    def read_back(self, *tensors: torch.Tensor) -> list[list]:
-        """Device tensors -> Python lists, with one wait for the GPU: each is copied into pinned host memory
-        (queued, no wait), then the host waits once for the stream to reach the copies. On a CPU: no copy."""
+    def start_read_back(self, *tensors: torch.Tensor) -> SimpleNamespace:
+        """step25: read_back's first half: each tensor's copy into pinned host memory queued (no wait), and an event
+        recorded behind them. On a CPU the tensors are the results already: no copy, no event."""
         if self.device.type != "cuda":
-            return [t.tolist() for t in tensors]
+            return SimpleNamespace(hosts=tensors, event=None)
         hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
         for host, t in zip(hosts, tensors):
             host.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()  # the step's one wait for the GPU
-        self.stats["syncs"] += 1
-        return [h.tolist() for h in hosts]
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return SimpleNamespace(hosts=hosts, event=event)
+
+    def read_back(self, copies: SimpleNamespace) -> list[list]:
+        """Device tensors -> Python lists, with one wait for the GPU: the host waits once, for the event behind
+        start_read_back's copies. step25: in two halves, so that other work can go between them."""
+        if copies.event is not None:
+            copies.event.synchronize()
+            self.stats["syncs"] += 1
+        return [h.tolist() for h in copies.hosts]
