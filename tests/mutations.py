@@ -305,6 +305,34 @@ MUTATIONS = [
         "            if not finished:  # the caller stopped early (break, cancel, an error): the request must not run on",
         "            if False:  # the caller stopped early (break, cancel, an error): the request must not run on",
         ("tests/test_part8_server.py::test_a_client_that_disconnects_mid_stream_frees_its_blocks",)),
+    Mutation(
+        "step25-read-before-launch", "step25 reads step N's tokens before it schedules and launches step N + 1",
+        "steps/step25/engine.py",
+        """        with self.timers.phase("schedule"):
+            work = self.scheduler.schedule()  # sees step N's tokens as PENDING places: one more token each
+        launched = self._launch(work) if work else None
+        step_n, self.in_flight = self.in_flight, launched
+        outputs = self._read_step(step_n, partial) if step_n is not None else []
+""",
+        """        step_n, self.in_flight = self.in_flight, None
+        outputs = self._read_step(step_n, partial) if step_n is not None else []
+        with self.timers.phase("schedule"):
+            work = self.scheduler.schedule()
+        self.in_flight = launched = self._launch(work) if work else None
+""",
+        ("tests/test_part9_overlap.py::test_async_outputs_equal_step24_and_sync[random:tiny-llama]",)),
+    Mutation(
+        "step25-pending-not-filled", "step25 leaves a PENDING input id for the model instead of the device's token",
+        "steps/step25/model_runner.py",
+        "        if pending:\n            self.fill_pending(input_ids, pending)",
+        "        if False:\n            self.fill_pending(input_ids, pending)",
+        ("tests/test_part9_overlap.py::test_async_outputs_equal_step24_and_sync[random:tiny-llama]",)),
+    Mutation(
+        "step25-discarded-token-kept", "step25 records the token computed for a request after its end",
+        "steps/step25/engine.py",
+        "        live = [i for i, seq in enumerate(step.seqs) if seq.status is not SequenceStatus.FINISHED]",
+        "        live = list(range(len(step.seqs)))",
+        ("tests/test_part9_overlap.py::test_async_outputs_equal_step24_and_sync[random:tiny-llama]",)),
 ]
 
 

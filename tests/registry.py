@@ -43,6 +43,8 @@ The features (the step that brings each one in is where its lesson is tested in 
     tensor_parallel     tensor_parallel_size: the model sharded over N ranks (parallel.py), all-reduces per layer
     async_engine        async_llm.py's AsyncLLM: async generate() streams cumulative outputs, abort(request_id)
     openai_server       serve.py: the OpenAI API (completions, chat completions, streaming) over HTTP
+    overlap_scheduling  async_scheduling: step N + 1 launched before step N's tokens are read (PENDING places, the
+                        device's last_token table), stats["discarded_tokens"]
 """
 from __future__ import annotations
 
@@ -115,6 +117,7 @@ step("step21", 7, adds=("cuda_graphs", "fused_sampler"))
 step("step22", 7, adds=("tensor_parallel",))
 step("step23", 8, adds=("async_engine",))
 step("step24", 8, adds=("openai_server",))
+step("step25", 9, adds=("overlap_scheduling",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}

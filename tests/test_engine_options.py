@@ -19,6 +19,7 @@ BAD = {
     "kv_cache_dtype": ("fp8", "kv_cache_dtype must be one of 'auto', 'int8', got 'fp8'"),  # int8_kv (step20 on)
     "enforce_eager": (1, "enforce_eager must be True or False, got 1"),  # cuda_graphs (step21 on)
     "tensor_parallel_size": (0, "tensor_parallel_size must be a positive int, got 0"),  # tensor_parallel (step22 on)
+    "async_scheduling": ("yes", "async_scheduling must be True, False or None, got 'yes'"),  # step25 on
 }
 
 
