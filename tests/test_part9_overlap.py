@@ -295,10 +295,12 @@ def test_gpu_async_equals_step24_with_graphs(seats):
 
 @pytest.mark.gpu
 def test_gpu_async_equals_step24_exactly_while_the_batches_match():
-    """64 requests in 64 seats, all of one length: no request ends before the last step, so step25 batches every
-    step as step24 does (the extra step at the end aside), and every token, greedy or sampled, must be the same and
-    every logprob bit for bit."""
+    """64 requests of 6 prompt tokens in 64 seats: they are prefilled in one step (384 tokens) and all end at one
+    step, so step25 batches every step as step24 does (its one extra step at the end aside), and every token, greedy
+    or sampled, must be the same and every logprob bit for bit. (Where requests end at different steps, step25 keeps
+    each one a step longer, the batches' shapes differ, and bf16 rounds differently: the test above.)"""
     prompts, params = gpu_workload(64)
+    prompts = [[(13 * i + 7 * j) % 5000 + 1 for j in range(6)] for i in range(64)]
     params = [SamplingParams(temperature=sp.temperature, seed=sp.seed, max_tokens=40, ignore_eos=True, logprobs=5)
               for sp in params]
     outs = {}
