@@ -69,8 +69,9 @@ def main() -> None:
     parser.add_argument("--before", default=None, metavar="STEPS_ROOT",
                         help="also the newest step of this older tree of steps (git archive <commit> steps | tar -x), "
                              "as '<step>-before', in the same alternation")
-    parser.add_argument("--busy-steps", nargs=2, type=int, default=[60, 80], metavar=("FIRST", "LAST"),
-                        help="the engine steps of the sampled workload whose GPU-busy share is measured")
+    parser.add_argument("--busy-steps", nargs=3, type=int, default=[40, 60, 80], metavar=("FIRST", "MIDDLE", "LAST"),
+                        help="the engine steps of the sampled workload whose GPU-busy share is measured: first to "
+                             "middle timed, middle to last profiled")
     parser.add_argument("--tree", default=None, help="what tree ran (a commit), recorded with every line")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -136,19 +137,22 @@ def main() -> None:
     for step, llm in engines.items():
         # by phase: one run of each workload with the phase timers waiting for the GPU at each phase's end
         for name, (prompts, params) in {**workloads, **batch1_work}.items():
+            # an overlapped engine (step25's async scheduling) is timed without the waits, which would undo the
+            # overlap: its phases are host time, and the one wait for the device falls in "sample"
+            overlapped = getattr(llm, "async_scheduling", False)
             llm.timers.reset()
-            llm.timers.sync = True
+            llm.timers.sync = not overlapped
             seconds = timed_generate(llm, prompts, params, args.device)
             llm.timers.sync = False
             steps = max(llm.timers.steps, 1)
             emit({**common, "kind": "phases", "step": step, "workload": name, "engine_steps": llm.timers.steps,
-                  "seconds": seconds, "ms_per_step": {k: s * 1000 / steps for k, s in llm.timers.seconds.items()}},
-                 args.out)
+                  "phase_waits": not overlapped, "seconds": seconds,
+                  "ms_per_step": {k: s * 1000 / steps for k, s in llm.timers.seconds.items()}}, args.out)
         if args.device == "cuda":
             emit({**common, **gpu_busy(llm, *workloads["nano-vllm"], args.busy_steps), "workload": "nano-vllm"},
                  args.out)
             # batch 1: one request's decode steps (its prefill is step 0), at 0.6
-            emit({**common, **gpu_busy(llm, *batch1_work["batch1-0.6"], (20, 220)), "workload": "batch1-0.6"},
+            emit({**common, **gpu_busy(llm, *batch1_work["batch1-0.6"], (20, 120, 220)), "workload": "batch1-0.6"},
                  args.out)
 
 
@@ -160,32 +164,42 @@ def rotated(engines: dict, shift: int) -> list:
     return items[shift:] + items[:shift]
 
 
-def gpu_busy(llm, prompts, params, window: tuple[int, int]) -> dict:
-    """The engine's own steps first..last of the sampled workload (by then every seat decodes: 256 rows), timed on
-    the host, and the GPU's kernels in them from the profiler (CUDA activity only: the host is not slowed by op
-    recording). Kernels on one stream do not overlap, so their summed time is the time the GPU was busy."""
-    first, last = window
+def gpu_busy(llm, prompts, params, window: tuple[int, int, int]) -> dict:
+    """The engine's own steps first..middle of the sampled workload (by then every seat decodes: 256 rows), timed on
+    the host with nothing watching, then steps middle..last with the profiler recording the GPU's kernels (CUDA
+    activity only). Kernels on one stream do not overlap, so their summed time is the time the GPU was busy. The
+    share divides it by the unwatched steps' time: the profiler slows each launch on the host (a graph's launch
+    takes tens of microseconds alone, hundreds recorded), which an engine that overlaps the host with the GPU would
+    show as idle GPU time. The watched steps' own time is kept beside it."""
+    first, middle, last = window
     for prompt, sp in zip(prompts, params):
         llm.add_request(prompt, sp)
     for _ in range(first):
         llm.step()
     rows = len(llm.scheduler.running)
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(middle - first):
+        llm.step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    rows_after = len(llm.scheduler.running)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        for _ in range(last - first):
+        for _ in range(last - middle):
             llm.step()
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        watched = time.perf_counter() - start
     while llm.has_unfinished_requests():
         llm.step()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False) and e.name not in llm.timers.seconds]
-    busy_us = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) for e in kernels)
-    steps = last - first
-    return {"kind": "gpu_busy", "step": getattr(llm, "_bench_name", None), "engine_steps": [first, last],
-            "running_rows": rows, "ms_per_step": seconds * 1000 / steps, "gpu_busy_ms_per_step": busy_us / 1000 / steps,
-            "gpu_busy_share": busy_us / 1e6 / seconds, "kernels_per_step": len(kernels) / steps}
+    busy_ms = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) for e in kernels) / 1000 / (last - middle)
+    ms_per_step = seconds * 1000 / (middle - first)
+    return {"kind": "gpu_busy", "step": getattr(llm, "_bench_name", None), "engine_steps": [first, middle, last],
+            "running_rows": [rows, rows_after], "ms_per_step": ms_per_step,
+            "ms_per_step_profiled": watched * 1000 / (last - middle), "gpu_busy_ms_per_step": busy_ms,
+            "gpu_busy_share": busy_ms / ms_per_step, "kernels_per_step": len(kernels) / (last - middle)}
 
 if __name__ == "__main__":
     main()
