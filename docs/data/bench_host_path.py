@@ -69,9 +69,8 @@ def main() -> None:
     parser.add_argument("--before", default=None, metavar="STEPS_ROOT",
                         help="also the newest step of this older tree of steps (git archive <commit> steps | tar -x), "
                              "as '<step>-before', in the same alternation")
-    parser.add_argument("--busy-steps", nargs=3, type=int, default=[40, 60, 80], metavar=("FIRST", "MIDDLE", "LAST"),
-                        help="the engine steps of the sampled workload whose GPU-busy share is measured: first to "
-                             "middle timed, middle to last profiled")
+    parser.add_argument("--busy-steps", nargs=2, type=int, default=[60, 80], metavar=("FIRST", "LAST"),
+                        help="the engine steps of the sampled workload whose GPU-busy share is measured")
     parser.add_argument("--tree", default=None, help="what tree ran (a commit), recorded with every line")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -134,6 +133,9 @@ def main() -> None:
             emit({**common, "kind": "batch1", "step": step, "temperature": temperature, "prompt_tokens": len(prompt),
                   "new_tokens": args.batch1_tokens, "tokens_per_s": statistics.median(values), "all": values},
                  args.out)
+    busy: dict[tuple, dict] = {}
+    windows = {"nano-vllm": (workloads["nano-vllm"], args.busy_steps),
+               "batch1-0.6": (batch1_work["batch1-0.6"], (20, 220))}  # batch 1: its decode steps (prefill: step 0)
     for step, llm in engines.items():
         # by phase: one run of each workload with the phase timers waiting for the GPU at each phase's end
         for name, (prompts, params) in {**workloads, **batch1_work}.items():
@@ -148,12 +150,15 @@ def main() -> None:
             emit({**common, "kind": "phases", "step": step, "workload": name, "engine_steps": llm.timers.steps,
                   "phase_waits": not overlapped, "seconds": seconds,
                   "ms_per_step": {k: s * 1000 / steps for k, s in llm.timers.seconds.items()}}, args.out)
-        if args.device == "cuda":
-            emit({**common, **gpu_busy(llm, *workloads["nano-vllm"], args.busy_steps), "workload": "nano-vllm"},
-                 args.out)
-            # batch 1: one request's decode steps (its prefill is step 0), at 0.6
-            emit({**common, **gpu_busy(llm, *batch1_work["batch1-0.6"], (20, 120, 220)), "workload": "batch1-0.6"},
-                 args.out)
+        if args.device == "cuda":  # the steps' time with nothing watching, for every engine before any profiler runs
+            for name, ((prompts, params), window) in windows.items():
+                busy[step, name] = timed_window(llm, prompts, params, window)
+    if args.device == "cuda":  # then the same steps again with the profiler: the GPU's kernels in them
+        for step, llm in engines.items():
+            for name, ((prompts, params), window) in windows.items():
+                record = {**busy[step, name], **kernel_window(llm, prompts, params, window)}
+                record["gpu_busy_share"] = record["gpu_busy_ms_per_step"] / record["ms_per_step"]
+                emit({**common, **record, "step": step, "workload": name}, args.out)
 
 
 def rotated(engines: dict, shift: int) -> list:
@@ -164,29 +169,43 @@ def rotated(engines: dict, shift: int) -> list:
     return items[shift:] + items[:shift]
 
 
-def gpu_busy(llm, prompts, params, window: tuple[int, int, int]) -> dict:
-    """The engine's own steps first..middle of the sampled workload (by then every seat decodes: 256 rows), timed on
-    the host with nothing watching, then steps middle..last with the profiler recording the GPU's kernels (CUDA
-    activity only). Kernels on one stream do not overlap, so their summed time is the time the GPU was busy. The
-    share divides it by the unwatched steps' time: the profiler slows each launch on the host (a graph's launch
-    takes tens of microseconds alone, hundreds recorded), which an engine that overlaps the host with the GPU would
-    show as idle GPU time. The watched steps' own time is kept beside it."""
-    first, middle, last = window
+def run_to(llm, prompts, params, first: int) -> None:
+    """Add the workload's requests and run the engine's first `first` steps of it."""
     for prompt, sp in zip(prompts, params):
         llm.add_request(prompt, sp)
     for _ in range(first):
         llm.step()
+
+
+def timed_window(llm, prompts, params, window: tuple[int, int]) -> dict:
+    """The engine's own steps first..last of a workload (for nano-vllm's, by then every seat decodes: 256 rows),
+    timed on the host with nothing watching."""
+    first, last = window
+    run_to(llm, prompts, params, first)
     rows = len(llm.scheduler.running)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(middle - first):
+    for _ in range(last - first):
         llm.step()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    rows_after = len(llm.scheduler.running)
+    while llm.has_unfinished_requests():
+        llm.step()
+    return {"engine_steps": [first, last], "running_rows": rows, "ms_per_step": seconds * 1000 / (last - first)}
+
+
+def kernel_window(llm, prompts, params, window: tuple[int, int]) -> dict:
+    """The same steps of the same workload run again, with the profiler recording the GPU's kernels (CUDA activity
+    only). Kernels on one stream do not overlap, so their summed time is the time the GPU was busy. The busy share
+    divides it by timed_window's unwatched time (-> a dict to merge with timed_window's): the profiler slows each
+    launch on the host (a graph's launch takes tens of microseconds alone, hundreds recorded), which an engine that
+    overlaps the host with the GPU would show as idle GPU time. The watched steps' own time is kept beside it."""
+    first, last = window
+    run_to(llm, prompts, params, first)
+    torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        for _ in range(last - middle):
+        for _ in range(last - first):
             llm.step()
         torch.cuda.synchronize()
         watched = time.perf_counter() - start
@@ -194,12 +213,9 @@ def gpu_busy(llm, prompts, params, window: tuple[int, int, int]) -> dict:
         llm.step()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False) and e.name not in llm.timers.seconds]
-    busy_ms = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) for e in kernels) / 1000 / (last - middle)
-    ms_per_step = seconds * 1000 / (middle - first)
-    return {"kind": "gpu_busy", "step": getattr(llm, "_bench_name", None), "engine_steps": [first, middle, last],
-            "running_rows": [rows, rows_after], "ms_per_step": ms_per_step,
-            "ms_per_step_profiled": watched * 1000 / (last - middle), "gpu_busy_ms_per_step": busy_ms,
-            "gpu_busy_share": busy_ms / ms_per_step, "kernels_per_step": len(kernels) / (last - middle)}
+    busy_ms = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) for e in kernels) / 1000 / (last - first)
+    return {"kind": "gpu_busy", "ms_per_step_profiled": watched * 1000 / (last - first), "gpu_busy_ms_per_step": busy_ms,
+            "kernels_per_step": len(kernels) / (last - first)}
 
 if __name__ == "__main__":
     main()
