@@ -297,7 +297,15 @@ def test_shutdown_frees_the_kv_cache_at_once_and_a_new_engine_builds_after_it(st
         llm = LLM("random:tiny-llama", device="cpu", dtype="float32", max_kv_tokens=1024)
         first = llm.generate(["build, shut down, build"], params)[0].outputs[0].token_ids
         cache = weakref.ref(llm.runner.kv_cache)
+        held_at_release, release = [], llm.runner.release
+
+        def watched_release():  # on CUDA, release() ends by handing the freed memory back (empty_cache): by then
+            release()           # nothing may hold the cache, or its memory stays reserved in this process
+            held_at_release.append(cache() is not None)
+
+        llm.runner.release = watched_release
         llm.shutdown()
+        assert held_at_release == [False], "release() handed the memory back while the engine still held the KV cache"
         assert cache() is None, "shutdown() returned with the KV cache still held"
         assert llm.runner.graphs is None and llm.model.kv_cache is None
         with pytest.raises(RuntimeError, match="shut down"):

@@ -172,9 +172,9 @@ class LLM:
         if self._finalizer is not None:
             self._finalizer()
         self.is_shut_down = True
+        self.kv_cache = None  # before the runner hands the memory back: no reference to the cache may be left
         if getattr(self, "runner", None) is not None:
             self.runner.release()
-        self.kv_cache = None
 
     def _check_running(self) -> None:
         if self.is_shut_down:

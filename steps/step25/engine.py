@@ -206,9 +206,9 @@ class LLM:
             self._finalizer()
         self.is_shut_down = True
         self.in_flight = None  # step25: its results are not read (runner.release waits for the device first)
+        self.kv_cache = None  # before the runner hands the memory back: no reference to the cache may be left
         if getattr(self, "runner", None) is not None:
             self.runner.release()
-        self.kv_cache = None
 
     def _check_running(self) -> None:
         if self.is_shut_down:
