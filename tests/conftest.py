@@ -12,9 +12,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Under pytest-xdist (make test runs two workers, one per core) each worker computes on one thread: two workers
-# with two threads each would ask four threads of two cores.
+# with two threads each would ask four threads of two cores. The processes a test starts (a run.py, the first run,
+# the benchmark scripts) inherit the same one thread through OMP_NUM_THREADS: with torch's default of one thread
+# per core they would ask three threads of two cores while the other worker computes, and a torch thread that waits
+# for a descheduled sibling spins (test_run_py[step09] took 11 s so, 6 s on one thread).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
