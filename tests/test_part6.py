@@ -112,16 +112,9 @@ def counting(monkeypatch, module, name):
     return calls
 
 
-MIXED_LENGTHS = (3, 17, 40, 9, 64)  # a chunk past a tile (40, 64 > 32 rows), under and over a block of 16
-# Under a budget of 1 token every chunk is one token whatever the prompt's length, and the engine runs a step per
-# prompt token: shorter prompts (still past a block of 16, and long enough to split at 8 tokens per part) give the
-# same kinds of steps in 73 steps rather than 133.
-ONE_TOKEN_LENGTHS = (3, 17, 24, 9, 20)
-
-
-def mixed_requests(seed=5, lengths=MIXED_LENGTHS):
+def mixed_requests(seed=5):
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in lengths]
+    prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (3, 17, 40, 9, 64)]
     params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=2) for i in range(5)]
     return prompts, params
 
@@ -131,12 +124,7 @@ def before_kernels_outputs(model, budget):
     """step14_7's outputs on mixed_requests() (options as in test_kernel_engine_equals_step14_7), computed once per
     test process: every kernel step is compared with the same run, and the tests only read it."""
     options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)
-    return load_engine(last_before("triton_prefill")).LLM(model, **options).generate(*requests_for(budget))
-
-
-def requests_for(budget):
-    """mixed_requests(), with the shorter prompts under a budget of 1 token (ONE_TOKEN_LENGTHS)."""
-    return mixed_requests(lengths=ONE_TOKEN_LENGTHS if budget == 1 else MIXED_LENGTHS)
+    return load_engine(last_before("triton_prefill")).LLM(model, **options).generate(*mixed_requests())
 
 
 @pytest.mark.parametrize("budget", [1, 7, 512])
@@ -154,7 +142,7 @@ def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
     decode = counting(monkeypatch, kernels(step, "decode"), "paged_decode_v2") if decodes_kernel else {"n": 0}
     split = counting(monkeypatch, kernels(step, "decode"), "flash_decode") if splits else {"n": 0}
     looped = counting(monkeypatch, backends, "grouped_attention")
-    prompts, params = requests_for(budget)
+    prompts, params = mixed_requests()
     options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)
     expected = before_kernels_outputs(model, budget)
     llm = load_engine(step).LLM(model, attention_backend="triton", **options)

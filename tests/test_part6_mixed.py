@@ -11,7 +11,7 @@ from shared import SamplingParams
 from helpers import TritonLaunches, compare_completions, copies_param, STEP_LOGPROB_ATOL_FP32, load_engine
 from helpers import scheduled_work
 from registry import introducing, last_before, lesson_and_copies
-from test_part6 import DEVICE, kernels, make_case, requests_for
+from test_part6 import DEVICE, kernels, make_case, mixed_requests
 
 pytest.importorskip("triton")
 
@@ -93,7 +93,7 @@ def work_counter(llm):
 @pytest.mark.parametrize("budget", [1, 7, 512])
 @pytest.mark.parametrize("model", ["random:tiny-llama", "random:tiny-qwen3"])
 def test_mixed_engine_equals_step17_with_one_launch_per_layer(model, budget):
-    prompts, params = requests_for(budget)
+    prompts, params = mixed_requests()
     options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4, attention_backend="triton")
     expected = load_engine(BEFORE).LLM(model, **options).generate(prompts, params)
     llm = load_engine(MIXED).LLM(model, **options)
