@@ -34,7 +34,29 @@ from registry import CHAT_PROMPTS, EQUIV_MAX_TOKENS, TEXT_PROMPTS  # noqa: E402,
 FAST_STEPS = 2
 
 
+class GroupSuffix:
+    """--dist loadgroup sends the tests of one xdist_group to one worker by the suffix "@<group>" that pytest-xdist
+    (3.8) gives their node ids on the worker, by assigning `item._nodeid`. pytest 9 keeps a node's id in `item._id`
+    and ignores that attribute: without the suffix every test was its own group, a step's tests ran on both workers
+    and each built the step's engines and references. Where the suffix is missing, it is added here the same way,
+    after pytest-xdist's hook and before the worker reports its collection."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not getattr(config.option, "loadgroup", False):
+            return
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                             for m in item.iter_markers("xdist_group")})
+            if groups and "@" not in item.nodeid and hasattr(item, "_id"):
+                item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
+
+
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(GroupSuffix(), "xdist-group-suffix")
     config.addinivalue_line("markers", "copies(*steps): the test runs on the first of these steps and stands for "
                                        "all of them: they hold the files it exercises byte for byte "
                                        "(helpers.copies_param)")
