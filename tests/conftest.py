@@ -12,9 +12,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Under pytest-xdist (make test runs two workers, one per core) each worker computes on one thread: two workers
-# with two threads each would ask four threads of two cores.
+# with two threads each would ask four threads of two cores. The processes a test starts (a run.py, the first run,
+# the benchmark scripts) inherit the same one thread through OMP_NUM_THREADS: with torch's default of one thread
+# per core they would ask three threads of two cores while the other worker computes, and a torch thread that waits
+# for a descheduled sibling spins (test_run_py[step09] took 11 s so, 6 s on one thread).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -30,7 +34,29 @@ from registry import CHAT_PROMPTS, EQUIV_MAX_TOKENS, TEXT_PROMPTS  # noqa: E402,
 FAST_STEPS = 2
 
 
+class GroupSuffix:
+    """--dist loadgroup sends the tests of one xdist_group to one worker by the suffix "@<group>" that pytest-xdist
+    (3.8) gives their node ids on the worker, by assigning `item._nodeid`. pytest 9 keeps a node's id in `item._id`
+    and ignores that attribute: without the suffix every test was its own group, a step's tests ran on both workers
+    and each built the step's engines and references. Where the suffix is missing, it is added here the same way,
+    after pytest-xdist's hook and before the worker reports its collection."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not getattr(config.option, "loadgroup", False):
+            return
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                             for m in item.iter_markers("xdist_group")})
+            if groups and "@" not in item.nodeid and hasattr(item, "_id"):
+                item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
+
+
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(GroupSuffix(), "xdist-group-suffix")
     config.addinivalue_line("markers", "copies(*steps): the test runs on the first of these steps and stands for "
                                        "all of them: they hold the files it exercises byte for byte "
                                        "(helpers.copies_param)")

@@ -23,6 +23,9 @@ DRAFTS = Path(os.environ.get("LLM_KERNEL_DRAFTS", "/work/kernels_scratch"))
 DECODE = [ROOT / "steps" / introducing("triton_decode") / "kernels" / "decode.py", DRAFTS / "decode.py"]
 FLASH = [ROOT / "steps" / introducing("flash_decoding") / "kernels" / "decode.py", DRAFTS / "flash_decoding.py"]
 ROOFLINES = ("roofline-prefill", "roofline-decode", "roofline-flash-decoding")
+# The smoke run (the module fixture `smoke`) runs once per process: the file's tests run on one pytest-xdist worker
+# (--dist loadgroup), not spread over two that would each run it.
+pytestmark = pytest.mark.xdist_group("bench_kernels_smoke")
 
 
 def _first(paths):

@@ -18,6 +18,10 @@ from conftest import ROOT, STEPS
 COLUMN_CHARS = 150
 FOLDED_CHARS = 148  # inside a folded block (run.py's diff, the full source files) the frame takes 2 columns
 
+# The site is built once per process (the module fixture `site`, a mkdocs build of about 17 s): the file's tests run
+# on one pytest-xdist worker (--dist loadgroup), not spread over two that would each build it.
+pytestmark = pytest.mark.xdist_group("docs_site")
+
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):

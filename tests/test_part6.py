@@ -2,6 +2,7 @@
 
 Without CUDA the kernels run in Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), in fp32 and fp16;
 the `gpu` tests compile them and check bf16 at real model shapes."""
+import functools
 import importlib
 import random
 
@@ -118,6 +119,14 @@ def mixed_requests(seed=5):
     return prompts, params
 
 
+@functools.lru_cache(maxsize=None)
+def before_kernels_outputs(model, budget):
+    """step14_7's outputs on mixed_requests() (options as in test_kernel_engine_equals_step14_7), computed once per
+    test process: every kernel step is compared with the same run, and the tests only read it."""
+    options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)
+    return load_engine(last_before("triton_prefill")).LLM(model, **options).generate(*mixed_requests())
+
+
 @pytest.mark.parametrize("budget", [1, 7, 512])
 @pytest.mark.parametrize("model", ["random:tiny-llama", "random:tiny-qwen3"])
 @pytest.mark.parametrize("step", having("triton_prefill"))
@@ -135,7 +144,7 @@ def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
     looped = counting(monkeypatch, backends, "grouped_attention")
     prompts, params = mixed_requests()
     options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)
-    expected = load_engine(last_before("triton_prefill")).LLM(model, **options).generate(prompts, params)
+    expected = before_kernels_outputs(model, budget)
     llm = load_engine(step).LLM(model, attention_backend="triton", **options)
     if splits:
         llm.model.attention_backend.split_rule["min_tokens_per_split"] = 8

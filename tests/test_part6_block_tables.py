@@ -11,6 +11,7 @@ kernels' block tables and the slot mapping are read from the rows, never rebuilt
   rows hold every running sequence's table; in a small pool requests are preempted and rows are reused, no row is
   left held at the end, and the tokens are step17's (which rebuilt the tables every step), token for token.
 """
+import functools
 import random
 
 import pytest
@@ -198,6 +199,15 @@ def engine_cases():
     return cases
 
 
+@functools.lru_cache(maxsize=None)
+def before_outputs(backend):
+    """step17's outputs on requests() under the options of the test below, computed once per test process: every
+    step is compared with the same run, and the tests only read it."""
+    options = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=32, block_size=4, max_kv_tokens=96,
+                   attention_backend=backend)
+    return drive(load_engine(BEFORE).LLM("random:tiny-qwen3", **options), *requests())
+
+
 @pytest.mark.parametrize("step,backend", engine_cases())
 def test_a_step_writes_only_the_new_blocks_and_the_tokens_are_unchanged(step, backend):
     """A pool of 96 tokens in blocks of 4 for seven requests of up to 74 tokens, at most 4 at once: preemption, rows
@@ -208,7 +218,7 @@ def test_a_step_writes_only_the_new_blocks_and_the_tokens_are_unchanged(step, ba
     prompts, params = requests()
     options = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=32, block_size=4, max_kv_tokens=96,
                    attention_backend=backend)
-    expected = drive(load_engine(BEFORE).LLM("random:tiny-qwen3", **options), prompts, params)
+    expected = before_outputs(backend)
     llm = load_engine(step).LLM("random:tiny-qwen3", **options)
     got, counted = run_counted(llm, prompts, params)
     assert len(got) == len(prompts)

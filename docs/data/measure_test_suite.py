@@ -59,6 +59,8 @@ def step_of(name: str) -> str | None:
     """The step a test takes, read from its parameters (`test_x[step16-...]`, `test_y[1-step10]`). A test run once
     for steps of the same content (`test_z[step20+step21+step22-...]`, tests/helpers.py's copies_param) ran on the
     first of them: its time is that step's."""
+    # pytest-xdist's --dist loadgroup suffix: "test_x[step16]@step16", in a JUnit report "test_x[step16]@step16]"
+    name = re.sub(r"@[^\[\]]*\]?$", "", name)
     params = name[name.find("[") + 1:-1] if "[" in name else ""
     found = [(m.start(), s) for s in STEPS for m in [re.search(rf"(^|[-+]){re.escape(s)}($|[-+])", params)] if m]
     return min(found)[1] if found else None
