@@ -45,6 +45,7 @@ The features (the step that brings each one in is where its lesson is tested in 
     openai_server       serve.py: the OpenAI API (completions, chat completions, streaming) over HTTP
     overlap_scheduling  async_scheduling: step N + 1 launched before step N's tokens are read (PENDING places, the
                         device's last_token table), stats["discarded_tokens"]
+    engine_core_process engine_core.py: AsyncLLM's EngineCore in its own process over ZMQ + msgpack, outputs as deltas
 """
 from __future__ import annotations
 
@@ -118,6 +119,7 @@ step("step22", 7, adds=("tensor_parallel",))
 step("step23", 8, adds=("async_engine",))
 step("step24", 8, adds=("openai_server",))
 step("step25", 9, adds=("overlap_scheduling",))
+step("step26", 9, adds=("engine_core_process",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}
