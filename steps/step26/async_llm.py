@@ -8,19 +8,42 @@ error outside a step kills the loop: every open stream and every later call gets
 
 This file is the engine's front end, as vLLM's async_llm.py is: the callers' side (an event loop) and the step
 loop's (its thread). engine.py stays the offline engine, which the step loop drives.
+
+step26: the step loop leaves this process. AsyncLLM starts an engine core process (engine_core.py: the scheduler
+and the model runner in a busy loop, the tensor-parallel workers its children) and talks to it over two ZMQ sockets
+with typed msgpack messages: it sends each checked request (its token ids and sampling parameters) and each abort,
+and receives outputs as deltas, the new token ids and logprobs of a step. This process keeps what is the callers':
+the tokenizer and the checks, each request's incremental detokenizer and its stop strings (a stop string found here
+aborts the request in the core), and the streams. It rebuilds the RequestOutput each caller gets, equal to the
+offline engine's. One thread of its own reads the core's socket (with a timeout, so it also sees the core die): a
+core that dies (killed, or its loop failed) ends every open stream and every later call with EngineDeadError.
+step25's threaded AsyncLLM stays as InProcessAsyncLLM (the step loop in a thread of this process), to compare.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import multiprocessing
+import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 import traceback
+import weakref
+from types import SimpleNamespace
 
-from shared import DEFAULT_MODEL, SamplingParams
+import msgspec
+import zmq
 
+from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, Tokenizer,
+                    check_length, normalize_prompts, normalize_sampling_params, resolve_model)
+
+from . import engine_core as wire
+from .detokenizer import IncrementalDetokenizer
 from .engine import LLM
+from .sequence import Finish
 
 
 class EngineStepError(RuntimeError):
@@ -63,8 +86,8 @@ def _fail(future: asyncio.Future, error: BaseException) -> None:
         future.set_exception(error)
 
 
-class AsyncLLM:
-    """An LLM served to many callers at once, streaming each request's outputs as its tokens arrive.
+class InProcessAsyncLLM:
+    """step25's AsyncLLM (the step loop a thread of this process). An LLM served to many callers at once, streaming each request's outputs as its tokens arrive.
 
         engine = AsyncLLM("smollm2-135m", max_num_seqs=16)
         async for out in engine.generate("Hello", SamplingParams(max_tokens=32), request_id="a"):
@@ -298,3 +321,331 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(_put_all, puts)
             except RuntimeError:  # that event loop is closed: nobody is listening any more
                 pass
+
+
+# ---- step26: the front end of an engine core in its own process ------------------------------------------------
+class _Request:
+    """One request as the front end follows it: what the core sent so far, and the text it makes."""
+
+    def __init__(self, request_id: str, text, ids: list[int], sp: SamplingParams, stream: _Stream, tokenizer):
+        self.request_id, self.prompt, self.prompt_ids, self.params, self.stream = request_id, text, ids, sp, stream
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.output_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if sp.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.metrics = RequestMetrics(time.perf_counter())
+        self.finish: Finish | None = None
+
+    def output(self) -> RequestOutput:
+        """Its RequestOutput now, as the offline engine's Sequence makes it (partial_output, to_output)."""
+        logprobs = list(self.logprobs) if self.logprobs is not None else None
+        if self.finish is not None:
+            completion = CompletionOutput(0, self.finish.text, list(self.output_ids), self.cumulative_logprob,
+                                          logprobs, self.finish.reason, self.finish.stop_reason)
+        else:  # a stop string completed later could still cut the last (longest stop - 1) characters
+            hold = max(map(len, self.params.stop), default=1) - 1 if self.params.stop else 0
+            text = self.detokenizer.text
+            completion = CompletionOutput(0, text[:max(0, len(text) - hold)], list(self.output_ids),
+                                          self.cumulative_logprob, logprobs, None)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [completion], self.finish is not None,
+                             self.metrics)
+
+
+class AsyncLLM:
+    """An LLM served to many callers at once, streaming each request's outputs as its tokens arrive; the engine
+    runs in a core process of its own (engine_core.py).
+
+        engine = AsyncLLM("smollm2-135m", max_num_seqs=16)
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=32), request_id="a"):
+            print(out.outputs[0].text)          # the text so far; out.finished on the last one
+
+    The constructor starts the core and waits until it is built (a core that fails to start raises its error
+    here). generate() checks the request here, sends it, and rebuilds its outputs from the core's deltas; a caller
+    that stops reading aborts its request; abort() returns once the core has freed the request's blocks. A core
+    that dies ends every open stream, and every later call, with EngineDeadError (`errored` turns True).
+    shutdown() stops the core and ends every open stream with EngineShutDown."""
+
+    POLL_MS = 100  # how often the reader thread, idle, checks that the core is alive
+
+    def __init__(self, model: str = DEFAULT_MODEL, startup_timeout_s: float = 600.0, **engine_options):
+        self.model_name = str(model)
+        self.tokenizer = Tokenizer(resolve_model(model))
+        self._dir = tempfile.mkdtemp(prefix="llm-core-")
+        self._ctx = zmq.Context()
+        self._to_core, self._from_core = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+        self._to_core.bind(f"ipc://{self._dir}/input")
+        self._from_core.bind(f"ipc://{self._dir}/output")
+        self._send_lock = threading.Lock()  # a ZMQ socket is not thread-safe: callers' loops and the reader send
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(wire.FromCore)
+        self._lock = threading.Lock()  # guards _requests and _replies
+        self._requests: dict[str, _Request] = {}
+        self._replies: dict[int, tuple] = {}  # reply id -> (event loop, future, value to answer)
+        self._ids, self._reply_ids = itertools.count(), itertools.count(1)
+        self._stopped = False
+        self._dead: BaseException | None = None
+        self._state: dict = {}
+        self.stats = {"coalesced": 0, "deltas": 0, "bytes_in": 0}
+        ctx = multiprocessing.get_context("spawn")
+        self.process = ctx.Process(target=wire.run_engine_core, name="EngineCore",
+                                   args=(model, engine_options, f"ipc://{self._dir}/input",
+                                         f"ipc://{self._dir}/output", os.getpid()))
+        self.process.start()
+        self._finalizer = weakref.finalize(self, _stop_core, self.process, self._dir)
+        ready = self._wait_ready(startup_timeout_s)
+        self.llm = SimpleNamespace(  # what a server reads of the engine: its limits, the checks of a request
+            max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, tokenizer=self.tokenizer,
+            block_manager=SimpleNamespace(num_blocks=ready.num_blocks, block_size=ready.block_size),
+            backend="engine core process", check_request=self.check_request)
+        self._ready = ready
+        self._reader = threading.Thread(target=self._read_loop, name="AsyncLLM core reader", daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self, timeout_s: float) -> wire.Ready:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._from_core.poll(self.POLL_MS):
+                msg = self._decoder.decode(self._from_core.recv())
+                if isinstance(msg, wire.Ready):
+                    return msg
+                if isinstance(msg, wire.Error):
+                    self._finalizer()
+                    raise RuntimeError(msg.message)
+            elif not self.process.is_alive():
+                self._finalizer()
+                raise RuntimeError(f"the engine core exited while it started (exit code {self.process.exitcode})")
+        self._finalizer()
+        raise RuntimeError(f"the engine core did not start within {timeout_s:g} s")
+
+    # ---- state -----------------------------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopped and self._dead is None and self.process.is_alive()
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine core died: {self._dead}")
+
+    def snapshot(self) -> dict:
+        """The core's state as its last Stats message said (abort() and get_stats() ask for one)."""
+        with self._lock:
+            return {**self._state, "streams": len(self._requests), **self.stats}
+
+    async def get_stats(self) -> dict:
+        """Ask the core for its state now (running, waiting, free blocks, its CPU time)."""
+        return await self._ask(lambda reply: wire.GetStats(reply))
+
+    # ---- the callers' side -----------------------------------------------------------------------------------
+    def check_request(self, prompt, sampling_params: SamplingParams | None = None):
+        """As LLM.check_request, on the core's limits (Ready): -> (text, token ids, SamplingParams)."""
+        (text, ids), = normalize_prompts([prompt], self.tokenizer, self._ready.vocab_size, one=True)
+        sp = normalize_sampling_params(sampling_params, 1, SamplingParams(temperature=0))[0]
+        check_length(0, len(ids), sp, self._ready.max_model_len)
+        blocks = -(-(len(ids) + sp.max_tokens) // self._ready.block_size)
+        if blocks > self._ready.num_blocks:
+            pool = self._ready.num_blocks * self._ready.block_size
+            raise ValueError(f"prompts[0]: prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) = "
+                             f"{len(ids) + sp.max_tokens} exceeds max_kv_tokens ({pool}): it could never fit in the "
+                             "KV pool")
+        return text, ids, sp
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None):
+        """As step23's: cumulative RequestOutputs, the last with finished=True; stopping early aborts."""
+        if self._stopped:
+            raise EngineShutDown("AsyncLLM.generate(): the engine is shut down")
+        text, ids, sp = self.check_request(prompt, sampling_params)
+        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:  # the reader marks the core dead under this lock: a request added here is one it ends
+            if self._dead is not None:
+                raise self.dead_error
+            if request_id in self._requests:
+                raise ValueError(f"request_id {request_id!r} is already running")
+            self._requests[request_id] = _Request(request_id, text, ids, sp, stream, self.tokenizer)
+        self._send(wire.Add(request_id, ids, wire.Params.of(sp)))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
+                    item = stream.queue.get_nowait()
+                    self.stats["coalesced"] += 1
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                open_ = self._requests.pop(request_id, None) is not None
+            if not finished and open_ and self._dead is None and not self._stopped:
+                self._send(wire.Abort([request_id]))
+
+    async def abort(self, request_id: str) -> bool:
+        """End a request now: its blocks are free in the core when this returns, and its stream ends with one last
+        output (finished=True, finish_reason "abort"). -> whether it was open."""
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+        if req is not None:
+            req.finish = Finish("abort", None, req.detokenizer.text)
+            req.stream.put(req.output())
+        await self._ask(lambda reply: wire.Abort([request_id], reply))
+        return req is not None
+
+    async def _ask(self, make) -> dict:
+        """Send a message that the core answers with Stats(reply=...); -> the state it holds."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._lock:
+            if self._dead is not None:
+                raise self.dead_error
+            reply = next(self._reply_ids)
+            self._replies[reply] = (loop, done)
+        self._send(make(reply))
+        return await done
+
+    def shutdown(self) -> None:
+        """Stop the core process (and its workers) and end every open stream with EngineShutDown. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        with self._lock:
+            requests, self._requests = dict(self._requests), {}
+        for req in requests.values():
+            req.stream.put(EngineShutDown("the engine was shut down while this request ran"))
+        self._finalizer()
+
+    def _send(self, msg) -> None:
+        frame = self._encoder.encode(msg)
+        with self._send_lock:
+            self._to_core.send(frame, copy=False)
+
+    # ---- the reader thread: the core's messages, and its death -------------------------------------------------
+    def _read_loop(self) -> None:
+        try:
+            while not self._stopped:
+                if not self._from_core.poll(self.POLL_MS):
+                    if not self.process.is_alive():
+                        raise RuntimeError(f"the engine core process exited (exit code {self.process.exitcode})")
+                    continue
+                frame = self._from_core.recv()
+                self.stats["bytes_in"] += len(frame)
+                msg = self._decoder.decode(frame)
+                if isinstance(msg, wire.Outputs):
+                    self._on_outputs(msg.deltas)
+                elif isinstance(msg, wire.Stats):
+                    self._on_stats(msg)
+                elif isinstance(msg, wire.Error):
+                    if msg.fatal:
+                        raise RuntimeError(msg.message)
+                    print(f"engine core error: {msg.message}", flush=True)  # logged, serving goes on
+        except BaseException as e:
+            if not self._stopped:
+                self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        with self._lock:
+            self._dead = error
+            requests, self._requests = list(self._requests.values()), {}
+            replies, self._replies = list(self._replies.values()), {}
+        for req in requests:
+            req.stream.put(self.dead_error)
+        for loop, done in replies:
+            try:
+                loop.call_soon_threadsafe(_fail, done, self.dead_error)
+            except RuntimeError:
+                pass
+        print(f"AsyncLLM: {self.dead_error}", flush=True)
+
+    def _on_stats(self, msg: wire.Stats) -> None:
+        with self._lock:
+            self._state = dict(msg.state)
+            waiter = self._replies.pop(msg.reply, None)
+        if waiter is not None:
+            loop, done = waiter
+            try:
+                loop.call_soon_threadsafe(_resolve, done, dict(msg.state))
+            except RuntimeError:
+                pass
+
+    def _on_outputs(self, deltas) -> None:
+        """A step's deltas: each request's new tokens go through its detokenizer and the offline engine's stop checks
+        (LLM._check_stop), then its caller gets the RequestOutput so far."""
+        self.stats["deltas"] += len(deltas)
+        eos = self.tokenizer.eos_token_ids
+        now = time.perf_counter()
+        by_loop, aborts = {}, []
+        with self._lock:
+            for d in deltas:
+                req = self._requests.get(d.request_id)
+                if req is None or req.finish is not None:
+                    continue
+                if d.error is not None:
+                    del self._requests[d.request_id]
+                    item = EngineStepError(d.error) if d.finish_reason == "error" else RuntimeError(d.error)
+                    by_loop.setdefault(req.stream.loop, []).append((req.stream.queue, item))
+                    continue
+                sp = req.params
+                for i, token in enumerate(d.token_ids):
+                    req.output_ids.append(token)
+                    if req.logprobs is not None:
+                        req.logprobs.append(d.logprobs[i])
+                    req.metrics.token_times.append(now)
+                    req.metrics.first_token_time = req.metrics.first_token_time or now
+                    req.finish = _check_stop(req, token, len(req.output_ids), eos)
+                    if req.finish is not None:
+                        req.metrics.finished_time = now
+                        break
+                req.cumulative_logprob = d.cumulative_logprob
+                if req.finish is not None:
+                    del self._requests[d.request_id]
+                    if d.finish_reason is None:  # a stop string ended it here: the core runs it still
+                        aborts.append(d.request_id)
+                elif d.finish_reason is not None:  # the core ended it (it should not, before the front end)
+                    req.finish = Finish(d.finish_reason, d.stop_reason, req.detokenizer.final_text())
+                    del self._requests[d.request_id]
+                by_loop.setdefault(req.stream.loop, []).append((req.stream.queue, req.output()))
+        if aborts:
+            self._send(wire.Abort(aborts))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:
+                pass
+
+
+def _check_stop(req: _Request, last: int, num_outputs: int, eos) -> Finish | None:
+    """LLM._check_stop, in the front end: EOS, stop token ids, stop strings (on the text), max_tokens."""
+    sp, detok = req.params, req.detokenizer
+    if last in eos and not sp.ignore_eos:
+        return Finish("stop", None, detok.final_text())
+    if last in sp.stop_token_ids:
+        return Finish("stop", last, detok.final_text())
+    new = detok.add(last)
+    if new and sp.stop:
+        text = detok.text
+        window_start = max(0, len(text) - len(new) - max(len(s) for s in sp.stop) + 1)
+        window = text[window_start:]
+        hits = [(window.find(s), s) for s in sp.stop if s in window]
+        if hits:
+            cut, stop = min(hits)
+            return Finish("stop", stop, text[:window_start + cut])
+    if num_outputs >= sp.max_tokens:
+        return Finish("length", None, detok.final_text())
+    return None
+
+
+def _stop_core(process, path: str) -> None:
+    """Stop the core process (terminate, then kill) and remove its sockets' folder."""
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+    shutil.rmtree(path, ignore_errors=True)
