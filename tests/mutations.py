@@ -333,6 +333,12 @@ MUTATIONS = [
         "        live = [i for i, seq in enumerate(step.seqs) if seq.status is not SequenceStatus.FINISHED]",
         "        live = list(range(len(step.seqs)))",
         ("tests/test_part9_overlap.py::test_async_outputs_equal_step24_and_sync[random:tiny-llama]",)),
+    Mutation(
+        "step25-tp-tokens-not-shared", "step25's rank 0 keeps its sampled tokens from the tensor-parallel workers",
+        "steps/step25/engine.py",
+        "        self.runner.share_tokens = self.async_scheduling and self.workers is not None",
+        "        self.runner.share_tokens = False",
+        ("tests/test_part9_overlap.py::test_tensor_parallel_ranks_read_the_pending_tokens_from_rank_0",)),
 ]
 
 
