@@ -45,7 +45,21 @@ class Mutation:
     old: str  # must occur exactly once in file
     new: str
     tests: tuple[str, ...]  # pytest arguments: node ids (fastest first), or a file and "-k", "expression"
+    gpu: bool = False  # its tests are `gpu` tests: run only where CUDA is (elsewhere they would skip, and pass)
 
+
+MUTATIONS_READ_BEFORE_LAUNCH_OLD = """        with self.timers.phase("schedule"):
+            work = self.scheduler.schedule()  # sees step N's tokens as PENDING places: one more token each
+        launched = self._launch(work) if work else None
+        step_n, self.in_flight = self.in_flight, launched
+        outputs = self._read_step(step_n, partial) if step_n is not None else []
+"""
+MUTATIONS_READ_BEFORE_LAUNCH_NEW = """        step_n, self.in_flight = self.in_flight, None
+        outputs = self._read_step(step_n, partial) if step_n is not None else []
+        with self.timers.phase("schedule"):
+            work = self.scheduler.schedule()
+        self.in_flight = launched = self._launch(work) if work else None
+"""
 
 MUTATIONS = [
     Mutation(
@@ -308,18 +322,7 @@ MUTATIONS = [
     Mutation(
         "step25-read-before-launch", "step25 reads step N's tokens before it schedules and launches step N + 1",
         "steps/step25/engine.py",
-        """        with self.timers.phase("schedule"):
-            work = self.scheduler.schedule()  # sees step N's tokens as PENDING places: one more token each
-        launched = self._launch(work) if work else None
-        step_n, self.in_flight = self.in_flight, launched
-        outputs = self._read_step(step_n, partial) if step_n is not None else []
-""",
-        """        step_n, self.in_flight = self.in_flight, None
-        outputs = self._read_step(step_n, partial) if step_n is not None else []
-        with self.timers.phase("schedule"):
-            work = self.scheduler.schedule()
-        self.in_flight = launched = self._launch(work) if work else None
-""",
+        MUTATIONS_READ_BEFORE_LAUNCH_OLD, MUTATIONS_READ_BEFORE_LAUNCH_NEW,
         ("tests/test_part9_overlap.py::test_async_outputs_equal_step24_and_sync[random:tiny-llama]",)),
     Mutation(
         "step25-pending-not-filled", "step25 leaves a PENDING input id for the model instead of the device's token",
@@ -333,6 +336,26 @@ MUTATIONS = [
         "        live = [i for i, seq in enumerate(step.seqs) if seq.status is not SequenceStatus.FINISHED]",
         "        live = list(range(len(step.seqs)))",
         ("tests/test_part9_overlap.py::test_async_outputs_equal_step24_and_sync[random:tiny-llama]",)),
+    Mutation(
+        "step25-tp-tokens-not-shared", "step25's rank 0 keeps its sampled tokens from the tensor-parallel workers",
+        "steps/step25/engine.py",
+        "        self.runner.share_tokens = self.async_scheduling and self.workers is not None",
+        "        self.runner.share_tokens = False",
+        ("tests/test_part9_overlap.py::test_tensor_parallel_ranks_read_the_pending_tokens_from_rank_0",)),
+    # GPU: the CUDA-graph path fills PENDING places in the graphs' static inputs, a second site the CPU never runs
+    Mutation(
+        "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a PENDING input id instead of the "
+        "device's token",
+        "steps/step25/model_runner.py",
+        "                if pending:\n                    self.fill_pending(self.graphs.inputs.input_ids, pending)",
+        "                if False:\n                    self.fill_pending(self.graphs.inputs.input_ids, pending)",
+        ("tests/test_part9_overlap.py::test_gpu_async_equals_step24_exactly_while_the_batches_match",), gpu=True),
+    Mutation(
+        "step25-read-before-launch-gpu", "step25 reads step N's tokens before it launches step N + 1 (the GPU's "
+        "ordering test)",
+        "steps/step25/engine.py",
+        MUTATIONS_READ_BEFORE_LAUNCH_OLD, MUTATIONS_READ_BEFORE_LAUNCH_NEW,
+        ("tests/test_part9_overlap.py::test_gpu_step_n_plus_1_is_launched_before_step_n_ends",), gpu=True),
 ]
 
 
@@ -342,8 +365,13 @@ def model_cache() -> Path:
 
 
 def make_copy(rev: str) -> Path:
-    """The tracked files at `rev`, in a fresh temporary folder (never the working tree)."""
+    """The tracked files at `rev`, in a fresh temporary folder (never the working tree). rev "files": a copy of the
+    files as they are (for a machine that has the files but not the repository, like the GPU machine)."""
     tmp = Path(tempfile.mkdtemp(prefix="mutations-"))
+    if rev == "files":
+        shutil.copytree(REPO, tmp, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(".git", ".cache", ".venv", "__pycache__", ".scratch"))
+        return tmp
     archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
     return tmp
@@ -406,7 +434,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run only these (repeatable)")
     parser.add_argument("--list", action="store_true", help="print the mutations and exit")
-    parser.add_argument("--rev", default="HEAD", help="the commit whose tracked files are copied (default HEAD)")
+    parser.add_argument("--rev", default="HEAD", help="the commit whose tracked files are copied (default HEAD); "
+                        "'files': the files as they are, no git needed")
     parser.add_argument("--all-failures", action="store_true",
                         help="run pytest without -x: every failing test of the selection is listed (slower)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per pytest run")
@@ -436,11 +465,19 @@ def main(argv=None) -> int:
             print(f"{m.name:34} {'applies' if count == 1 else f'CANNOT APPLY: old text found {count} times in {m.file}'}")
         return 1 if bad else 0
 
+    import torch  # only to ask whether the `gpu` mutations can run here
+    if not torch.cuda.is_available():
+        gpu_only = [m for m in chosen if m.gpu]
+        for m in gpu_only:
+            print(f"{m.name:34} not run: its tests need CUDA (run it on a GPU machine)", flush=True)
+        chosen = [m for m in chosen if not m.gpu]
+        if args.only and gpu_only:
+            return 1  # asked for by name, and not run
     cache = model_cache()
     if not cache.is_dir():
         print(f"warning: the model cache {cache} does not exist: models will be converted into it", flush=True)
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.rev], check=True,
-                            capture_output=True, text=True).stdout.strip()
+    commit = "the files as they are" if args.rev == "files" else subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", args.rev], check=True, capture_output=True, text=True).stdout.strip()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # killed: still remove the copy (finally below)
     copy = make_copy(args.rev)
     print(f"{len(chosen)} mutation(s) of {args.rev} ({commit}), copied to {copy}; models from {cache}", flush=True)

@@ -16,6 +16,7 @@ and on CUDA the GPU's busy share of engine steps 60-80 of the workload (every se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import statistics
@@ -169,29 +170,33 @@ def rotated(engines: dict, shift: int) -> list:
     return items[shift:] + items[:shift]
 
 
-def run_to(llm, prompts, params, first: int) -> None:
-    """Add the workload's requests and run the engine's first `first` steps of it."""
+def step_window(llm, prompts, params, window: tuple[int, int], watch=contextlib.nullcontext) -> tuple[float, int]:
+    """Add the workload's requests, run the engine's steps before `first`, time its own steps first..last (inside
+    `watch()`, a context manager: nothing, or a profiler), then run the workload to its end.
+    -> (ms per timed step, the rows running when the window began)."""
+    first, last = window
     for prompt, sp in zip(prompts, params):
         llm.add_request(prompt, sp)
     for _ in range(first):
         llm.step()
+    rows = len(llm.scheduler.running)
+    torch.cuda.synchronize()
+    with watch():
+        start = time.perf_counter()
+        for _ in range(last - first):
+            llm.step()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    while llm.has_unfinished_requests():
+        llm.step()
+    return seconds * 1000 / (last - first), rows
 
 
 def timed_window(llm, prompts, params, window: tuple[int, int]) -> dict:
     """The engine's own steps first..last of a workload (for nano-vllm's, by then every seat decodes: 256 rows),
     timed on the host with nothing watching."""
-    first, last = window
-    run_to(llm, prompts, params, first)
-    rows = len(llm.scheduler.running)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(last - first):
-        llm.step()
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    while llm.has_unfinished_requests():
-        llm.step()
-    return {"engine_steps": [first, last], "running_rows": rows, "ms_per_step": seconds * 1000 / (last - first)}
+    ms, rows = step_window(llm, prompts, params, window)
+    return {"engine_steps": list(window), "running_rows": rows, "ms_per_step": ms}
 
 
 def kernel_window(llm, prompts, params, window: tuple[int, int]) -> dict:
@@ -200,22 +205,15 @@ def kernel_window(llm, prompts, params, window: tuple[int, int]) -> dict:
     divides it by timed_window's unwatched time (-> a dict to merge with timed_window's): the profiler slows each
     launch on the host (a graph's launch takes tens of microseconds alone, hundreds recorded), which an engine that
     overlaps the host with the GPU would show as idle GPU time. The watched steps' own time is kept beside it."""
-    first, last = window
-    run_to(llm, prompts, params, first)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(last - first):
-            llm.step()
-        torch.cuda.synchronize()
-        watched = time.perf_counter() - start
-    while llm.has_unfinished_requests():
-        llm.step()
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    watched_ms, _ = step_window(llm, prompts, params, window, watch=lambda: prof)
+    steps = window[1] - window[0]
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False) and e.name not in llm.timers.seconds]
-    busy_ms = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) for e in kernels) / 1000 / (last - first)
-    return {"kind": "gpu_busy", "ms_per_step_profiled": watched * 1000 / (last - first), "gpu_busy_ms_per_step": busy_ms,
-            "kernels_per_step": len(kernels) / (last - first)}
+    busy_ms = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) for e in kernels) / 1000 / steps
+    return {"kind": "gpu_busy", "ms_per_step_profiled": watched_ms, "gpu_busy_ms_per_step": busy_ms,
+            "kernels_per_step": len(kernels) / steps}
+
 
 if __name__ == "__main__":
     main()
