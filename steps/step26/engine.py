@@ -81,17 +81,11 @@ def check_enforce_eager(enforce_eager) -> bool:
     return enforce_eager
 
 
-def choose_async_scheduling(asked, device: torch.device, tensor_parallel_size: int) -> bool:
-    """step25: async_scheduling, True, False or None (on with CUDA, off elsewhere). With tensor parallelism it is
-    off: the workers would need rank 0's sampled tokens on the device, which this step does not send them yet."""
+def choose_async_scheduling(asked, device: torch.device) -> bool:
+    """step25: async_scheduling, True, False or None (on with CUDA, off elsewhere). With tensor parallelism too: rank
+    0 shares each step's sampled tokens with the workers on the devices (model_runner.py's share_tokens)."""
     if asked is not None and not isinstance(asked, bool):
         raise ValueError(f"async_scheduling must be True, False or None, got {asked!r}")
-    if tensor_parallel_size > 1:
-        if asked:
-            raise ValueError(f"async_scheduling=True with tensor_parallel_size={tensor_parallel_size}: overlap "
-                             "scheduling is not built for tensor parallelism yet (the workers would need rank 0's "
-                             "sampled tokens); use async_scheduling=False or None with tensor_parallel_size > 1")
-        return False
     return device.type == "cuda" if asked is None else asked
 
 
@@ -123,7 +117,7 @@ class LLM:
         self.enforce_eager = check_enforce_eager(enforce_eager)
         check_tensor_parallel_size(tensor_parallel_size)  # its type now; how it splits the model once it is found
         self.device, self.dtype = resolve_device_dtype(device, dtype)
-        self.async_scheduling = choose_async_scheduling(async_scheduling, self.device, tensor_parallel_size)
+        self.async_scheduling = choose_async_scheduling(async_scheduling, self.device)
         self.in_flight: SimpleNamespace | None = None  # step25: the step launched and not read yet
         if max_kv_tokens is None and self.device.type == "cpu":
             max_kv_tokens = CPU_DEFAULT_KV_TOKENS  # the CPU knob; on CUDA, None = size the pool from free memory
@@ -161,6 +155,8 @@ class LLM:
                 raise WorkerError(failure) from e
             raise
         self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
+        # step25: with workers, rank 0 sends them each step's sampled tokens on the devices (their PENDING inputs)
+        self.runner.share_tokens = self.async_scheduling and self.workers is not None
         self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers
         # step25: tokens computed for requests that had finished (thrown away); launches that began while the step
         # before still ran on the device (CUDA: its results' event not reached yet)
@@ -181,8 +177,7 @@ class LLM:
         scheduling = ("scheduling: async (step N + 1 launched before step N's tokens are read"
                       f"{'; one stream on the CPU: the order, no overlap' if self.device.type != 'cuda' else ''})"
                       if self.async_scheduling else
-                      f"scheduling: sync (each step's tokens read before the next step is scheduled"
-                      f"{'; async_scheduling is off with tensor parallelism' if self.tp.size > 1 else ''})")
+                      "scheduling: sync (each step's tokens read before the next step is scheduled)")
         self.backend = (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), continuous batching + "
                         f"chunked prefill + preemption, paged KV ({num_blocks} blocks of {block_size}, KV dtype {kv}, "
                         f"sized by {self.memory['sized_by']}), "

@@ -170,6 +170,9 @@ class ModelRunner:
         self.workers = workers  # rank 0 of a tensor-parallel group: parallel.py's Workers (None: alone, or a worker)
         # step25: [max_num_seqs] int64, the newest token sampled for each block-table row, written on the device
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        # step25, tensor parallel: rank 0 broadcasts last_token to the workers after each step that samples, so
+        # each rank fills its PENDING input ids from its own copy (set by the engine; a worker is told per step)
+        self.share_tokens = False
 
     # ---- the KV cache -------------------------------------------------------------------------------------
     def allocate_kv_cache(self, max_kv_tokens: int | None, block_size: int, warmup_tokens: int,
@@ -315,7 +318,8 @@ class ModelRunner:
                 changes = self.block_tables.changes(work)
         if self.workers is None:
             return self._execute(work, changes)
-        self.workers.start_step(self.model.tp, work, changes)
+        samples = any(seq.num_computed_tokens + n == seq.num_tokens for seq, n in work)
+        self.workers.start_step(self.model.tp, work, changes, share_tokens=self.share_tokens and samples)
         try:
             return self._execute(work, changes)
         except BaseException as e:
@@ -389,6 +393,8 @@ class ModelRunner:
             if keep_on_device:  # the next step's inputs read them from here, on the device
                 rows = [self.block_tables.row_of[s.request_id] for s in seqs]
                 self.last_token.index_copy_(0, to_device(torch.tensor(rows), logits.device), next_ids)
+                if self.share_tokens:  # the workers' copies (they wait for it: execute told them it comes)
+                    self.model.tp.broadcast_tokens(self.last_token)
             return SimpleNamespace(copies=self.start_read_back(next_ids, chosen, *tops), asked=asked, num=len(seqs))
 
     def read_sampled(self, launched: SimpleNamespace) -> tuple[list[int], list[float], list]:

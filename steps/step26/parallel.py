@@ -178,6 +178,13 @@ class TensorParallel:
         dist.broadcast(buffer, src=0, group=self.control_group)
         return buffer
 
+    def broadcast_tokens(self, last_token: torch.Tensor) -> None:
+        """step25: rank 0's last_token (each block-table row's newest sampled token, on its device) -> every rank's,
+        in place, through the forward's group (NCCL on CUDA: device to device, queued behind the sampling)."""
+        import torch.distributed as dist
+
+        dist.broadcast(last_token, src=0)
+
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's value (the KV pool's blocks: every rank must hold the same number)."""
         if self.size == 1:

@@ -183,14 +183,15 @@ class Workers:
         if failure:
             self._fail(failure)
 
-    def start_step(self, tp: TensorParallel, work, changes) -> None:
+    def start_step(self, tp: TensorParallel, work, changes, share_tokens: bool = False) -> None:
         """Ring every doorbell (the size of the step's inputs), then broadcast the inputs (the work and its
-        block-table changes): the workers run the same forward as rank 0 from here."""
+        block-table changes): the workers run the same forward as rank 0 from here. step25: share_tokens, the
+        doorbell says "step+tokens": after the forward each worker also receives rank 0's last_token."""
         self.check_alive()
         packed = pack_work(work, changes)
         try:
             for conn in self.conns:
-                conn.send(("step", packed.numel()))
+                conn.send(("step+tokens" if share_tokens else "step", packed.numel()))
             tp.broadcast_inputs(packed, packed.numel())
         except Exception as e:  # a pipe or a socket closed under us: a worker went away mid-step
             # its end may show a moment after its socket closed (a killed process is reaped after the reset)
@@ -249,6 +250,8 @@ def worker_main(rank: int, size: int, init_method: str, device: str, model_dir, 
                 continue
             work, changes = unpack_work(tp.broadcast_inputs(None, numel), runner.block_tables)
             runner.execute(work, changes)
+            if kind == "step+tokens":  # step25: rank 0's sampled tokens, for this rank's PENDING inputs
+                tp.broadcast_tokens(runner.last_token)
     except (EOFError, KeyboardInterrupt):
         return
     except BaseException:
