@@ -342,6 +342,18 @@ MUTATIONS = [
         "        self.runner.share_tokens = self.async_scheduling and self.workers is not None",
         "        self.runner.share_tokens = False",
         ("tests/test_part9_overlap.py::test_tensor_parallel_ranks_read_the_pending_tokens_from_rank_0",)),
+    Mutation(
+        "step26-outputs-cumulative", "step26's core sends each request's whole output every step, not the new tokens",
+        "steps/step26/engine_core.py",
+        "deltas.append(Delta(rid, sent, seq.output_ids[sent:known], logprobs, seq.cumulative_logprob))",
+        "deltas.append(Delta(rid, 0, seq.output_ids[:known], logprobs, seq.cumulative_logprob))",
+        ("tests/test_part9_core.py::test_outputs_cross_the_wire_as_deltas",)),
+    Mutation(
+        "step26-core-death-unseen", "step26's front end never notices that its core process is gone",
+        "steps/step26/async_llm.py",
+        "                    if not self.process.is_alive():\n",
+        "                    if False:\n",
+        ("tests/test_part9_core.py::test_sigkill_of_the_core_ends_open_streams",)),
     # GPU: the CUDA-graph path fills PENDING places in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a PENDING input id instead of the "

@@ -8,8 +8,12 @@
 - An injected step failure reaches the client (an error event, a 500) and the next request is served.
 - serve.py as a command: it starts, answers, and stops cleanly on SIGINT; bench_serve.py's metrics add up.
 Every server here is stopped by its test or fixture; every call has a timeout.
+
+Every test runs on step24 and on the newest step. From step26 on the engine is a core process of its own: a fault is
+injected there (tests/core_faults.py, by the request's seed), and the engine's state is what the core reports.
 """
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -21,27 +25,35 @@ from pathlib import Path
 import pytest
 
 from helpers import load_engine, step_module, stop_longer_than_the_first_text
-from registry import introducing
+from core_faults import DEATH_SEED, STEP_FAILURE_SEED, inject_faults
+from registry import has, introducing, lesson_and_newest
 from shared import SamplingParams
 
-SERVER = introducing("openai_server")
+SERVERS = lesson_and_newest("openai_server")
 MODEL, NAME = "random:tiny-llama", "tiny"
 OPTIONS = dict(device="cpu", dtype="float32", max_kv_tokens=4096, max_num_seqs=16)
 ROOT = Path(__file__).resolve().parents[1]
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-free_port = step_module(SERVER, "parallel").free_port
+free_port = step_module(introducing("openai_server"), "parallel").free_port
+
+
+def has_core(step: str) -> bool:
+    """step26 on: the engine runs in a core process (no LLM in this process to look into)."""
+    return has(step, "engine_core_process")
 
 
 class RunningServer:
     """build_app(AsyncLLM) under uvicorn in a thread of this process: a real server on a real port, whose engine the
     test can look into."""
 
-    def __init__(self, api_key=None, **options):
+    def __init__(self, step, api_key=None, **options):
         import uvicorn
 
-        serve = step_module(SERVER, "serve")
-        self.engine = step_module(SERVER, "async_llm").AsyncLLM(MODEL, **{**OPTIONS, **options})
+        self.step = step
+        serve = step_module(step, "serve")
+        faults = {"_core_setup": inject_faults} if has_core(step) else {}
+        self.engine = step_module(step, "async_llm").AsyncLLM(MODEL, **{**OPTIONS, **options}, **faults)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(serve.build_app(self.engine, NAME, api_key), host="127.0.0.1", port=self.port,
@@ -58,7 +70,10 @@ class RunningServer:
         self.server.should_exit = True
         self.thread.join(30)
         assert not self.thread.is_alive(), "the server did not stop"
-        assert not self.engine._thread.is_alive(), "the server's shutdown did not stop the engine"
+        if has_core(self.step):
+            assert not self.engine.process.is_alive(), "the server's shutdown did not stop the engine core"
+        else:
+            assert not self.engine._thread.is_alive(), "the server's shutdown did not stop the engine"
 
     def stats(self) -> dict:
         return httpx.get(f"{self.base}/stats", timeout=10).json()
@@ -74,22 +89,27 @@ class RunningServer:
             time.sleep(0.05)
 
 
+@pytest.fixture(scope="module", params=SERVERS)
+def step(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def server():
-    s = RunningServer()
+def server(step):
+    s = RunningServer(step)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
-def offline():
-    return load_engine(SERVER).LLM(MODEL, **OPTIONS)
+def offline(step):
+    return load_engine(step).LLM(MODEL, **OPTIONS)
 
 
 @pytest.fixture(scope="module")
-def small_server():
+def small_server(step):
     """A server whose KV pool (256 tokens) is smaller than the model's context (2048)."""
-    s = RunningServer(max_kv_tokens=256)
+    s = RunningServer(step, max_kv_tokens=256)
     yield s
     s.stop()
 
@@ -246,8 +266,8 @@ def test_bad_chat_requests_and_unknown_fields(server, offline):
         0].outputs[0].text
 
 
-def test_the_api_key_is_required_when_set(offline):
-    s = RunningServer(api_key="sekret")
+def test_the_api_key_is_required_when_set(step, offline):
+    s = RunningServer(step, api_key="sekret")
     try:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = httpx.post(f"{s.base}/v1/completions", json={"model": NAME, "prompt": "x"}, headers=headers, timeout=30)
@@ -262,7 +282,7 @@ def test_the_api_key_is_required_when_set(offline):
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
-    before = server.engine.stats["aborted"]
+    before = server.stats()["aborted"]
     body = {"model": NAME, "prompt": "go on and on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
@@ -273,7 +293,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
 
 
 def test_a_client_that_gives_up_on_a_whole_answer_frees_its_blocks(server):
-    before = server.engine.stats["aborted"]
+    before = server.stats()["aborted"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base}/v1/completions", timeout=1.0,
                    json={"model": NAME, "prompt": "a long answer", "max_tokens": 2000, "ignore_eos": True})
@@ -281,7 +301,14 @@ def test_a_client_that_gives_up_on_a_whole_answer_frees_its_blocks(server):
     assert s["aborted"] == before + 1
 
 
-def test_an_injected_step_failure_reaches_the_client_and_the_server_goes_on(server, offline):
+@contextlib.contextmanager
+def step_failures(server):
+    """-> the request fields that make the engine step serving a request fail after its first token. In-process
+    (step24) the model runner is patched: its second call from now on fails, and each call of the returned
+    function re-arms it; with a core (step26 on) the core's injected fault (core_faults.py) fails on the seed."""
+    if has_core(server.step):
+        yield {"seed": STEP_FAILURE_SEED}, lambda: None
+        return
     runner = server.engine.llm.runner
     execute, calls = runner.execute, []
 
@@ -293,17 +320,22 @@ def test_an_injected_step_failure_reaches_the_client_and_the_server_goes_on(serv
 
     runner.execute = failing
     try:
-        with httpx.stream("POST", f"{server.base}/v1/completions", timeout=30,
-                          json={"model": NAME, "prompt": "x", "max_tokens": 20, "ignore_eos": True, "stream": True}) as r:
+        yield {}, calls.clear
+    finally:
+        runner.execute = execute
+
+
+def test_an_injected_step_failure_reaches_the_client_and_the_server_goes_on(server, offline):
+    with step_failures(server) as (fault, rearm):
+        with httpx.stream("POST", f"{server.base}/v1/completions", timeout=30, json={
+                "model": NAME, "prompt": "x", "max_tokens": 20, "ignore_eos": True, "stream": True, **fault}) as r:
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and "injected failure" in events[-2], events
         assert json.loads(events[-2][len("data: "):])["error"]["type"] == "server_error"
-        calls.clear()
+        rearm()
         r = httpx.post(f"{server.base}/v1/completions", timeout=30,
-                       json={"model": NAME, "prompt": "x", "max_tokens": 20, "ignore_eos": True})
+                       json={"model": NAME, "prompt": "x", "max_tokens": 20, "ignore_eos": True, **fault})
         assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
-    finally:
-        runner.execute = execute
     r = httpx.post(f"{server.base}/v1/completions", timeout=30,
                    json={"model": NAME, "prompt": "x", "max_tokens": 5, "temperature": 0})
     assert r.json()["choices"][0]["text"] == offline.generate(["x"], SamplingParams(temperature=0, max_tokens=5))[
@@ -311,29 +343,33 @@ def test_an_injected_step_failure_reaches_the_client_and_the_server_goes_on(serv
     server.wait_idle()
 
 
-def test_a_dead_engine_ends_every_stream_and_answers_503():
-    """An error outside an engine step (here: adding a request raises) kills the engine's step loop. The stream
-    that was running ends with an error event, the request that hit the failure and every later one get 503 in
-    OpenAI's shape, and /health says 503: a dead engine does not look healthy."""
-    s = RunningServer()
-    add, broken = s.engine.llm._add, []
+def test_a_dead_engine_ends_every_stream_and_answers_503(step):
+    """An error outside an engine step (here: adding a request raises) kills the engine's step loop (step24) or
+    the core's busy loop (step26 on). The stream that was running ends with an error event, the request that hit
+    the failure and every later one get an error in OpenAI's shape (503; with a core, the request it was serving
+    when it died gets 500), and /health says 503: a dead engine does not look healthy."""
+    s = RunningServer(step)
+    broken, fields = [], {"seed": DEATH_SEED} if has_core(step) else {}
+    if not has_core(step):
+        add = s.engine.llm._add
 
-    def failing_add(*args, **kwargs):
-        if broken:
-            raise RuntimeError("injected failure outside a step")
-        return add(*args, **kwargs)
+        def failing_add(*args, **kwargs):
+            if broken:
+                raise RuntimeError("injected failure outside a step")
+            return add(*args, **kwargs)
 
-    s.engine.llm._add = failing_add
+        s.engine.llm._add = failing_add
     try:
         body = {"model": NAME, "prompt": "go on and on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{s.base}/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")  # running
             broken.append(True)
-            r2 = httpx.post(f"{s.base}/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2},
-                            timeout=30)
+            r2 = httpx.post(f"{s.base}/v1/completions", timeout=30,
+                            json={"model": NAME, "prompt": "x", "max_tokens": 2, **fields})
             events = [line for line in lines if line.startswith("data: ")]
-        assert r2.status_code == 503 and "injected failure outside a step" in r2.json()["error"]["message"], r2.text
+        assert r2.status_code == (500 if has_core(step) else 503), r2.text
+        assert "injected failure outside a step" in r2.json()["error"]["message"], r2.text
         assert events[-1] == "data: [DONE]" and "injected failure outside a step" in events[-2], events[-3:]
         assert json.loads(events[-2][len("data: "):])["error"]["type"] == "server_error"
         for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/health")):
@@ -341,14 +377,29 @@ def test_a_dead_engine_ends_every_stream_and_answers_503():
                 "model": NAME, "prompt": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             error = r.json()["error"]
             assert r.status_code == 503 and set(error) == {"message", "type", "param", "code"}, (path, r.text)
-            assert "step loop died: RuntimeError: injected failure outside a step" in error["message"]
+            assert "RuntimeError: injected failure outside a step" in error["message"], error
     finally:
         s.stop()
 
+
 def test_stats_shows_the_engine_between_two_steps_never_halfway_through_one(server):
-    """/stats runs in the event loop's thread while the step thread changes the LLM: it reads the copy the step
-    thread made between two steps. Here a step is held inside its forward, after the scheduler has taken the new
-    request into the batch and given it blocks: /stats still shows the request waiting and every block free."""
+    """/stats never shows an engine halfway through a step. step24: /stats runs in the event loop's thread while
+    the step thread changes the LLM, so it reads the copy the step thread made between two steps; here a step is
+    held inside its forward, after the scheduler has taken the new request into the batch and given it blocks:
+    /stats still shows the request waiting and every block free. step26 on: the core answers /stats between two
+    of its steps, from its own process: a request that streams shows as running, with its blocks taken."""
+    if has_core(server.step):
+        idle = server.wait_idle()
+        body = {"model": NAME, "prompt": "go on and on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            mid = server.stats()
+        assert (mid["running"], mid["waiting"], mid["streams"]) == (1, 0, 1), mid
+        assert mid["free_blocks"] < idle["num_blocks"] and mid["steps"] > idle["steps"], mid
+        after = server.wait_idle()
+        assert after["aborted"] == idle["aborted"] + 1
+        return
     runner, idle = server.engine.llm.runner, server.wait_idle()
     execute, inside, go_on = runner.execute, threading.Event(), threading.Event()
 
@@ -375,8 +426,9 @@ def test_stats_shows_the_engine_between_two_steps_never_halfway_through_one(serv
     after = server.wait_idle()
     assert after["steps"] == idle["steps"] + 2
 
+
 def test_bench_serve_measures_what_the_server_served(server):
-    bench = step_module(SERVER, "bench_serve")
+    bench = step_module(server.step, "bench_serve")
     prompts = bench.random_prompts(6, 16, seed=3)
     r = asyncio.run(bench.bench(server.base, NAME, float("inf"), prompts, 5))
     assert (r["completed"], r["failed"], r["output_tokens"]) == (6, 0, 30)
@@ -393,7 +445,7 @@ def test_bench_serve_warms_up_before_the_first_measured_rate(server, monkeypatch
     """bench_serve.py as a command: an untimed warm-up (one request, then all of them at once, of the measured
     prompts' lengths but other token ids, so the measured ones are not in the prefix cache) before the first rate,
     then one JSON line per rate and nothing for the warm-up; --no-warmup goes straight to the rates."""
-    mod = step_module(SERVER, "bench_serve")
+    mod = step_module(server.step, "bench_serve")
     calls, real = [], mod.bench
 
     async def recording(base, model, rate, prompts, output_len, *args):
@@ -418,9 +470,9 @@ def test_bench_serve_warms_up_before_the_first_measured_rate(server, monkeypatch
     assert [len(prompts) for _, prompts in calls] == [3]
 
 
-def test_serve_py_starts_answers_and_stops_on_sigint():
+def test_serve_py_starts_answers_and_stops_on_sigint(step):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, f"steps/{SERVER}/serve.py", "--model", MODEL, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, f"steps/{step}/serve.py", "--model", MODEL, "--port", str(port),
                              "--device", "cpu", "--max-kv-tokens", "1024"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -446,8 +498,8 @@ def test_serve_py_starts_answers_and_stops_on_sigint():
     assert f"serving {MODEL} on http://127.0.0.1:{port}/v1" in proc.stdout.read()
 
 
-def test_serve_py_refuses_bad_options_in_one_line():
-    proc = subprocess.run([sys.executable, f"steps/{SERVER}/serve.py", "--model", MODEL, "--device", "cpu",
+def test_serve_py_refuses_bad_options_in_one_line(step):
+    proc = subprocess.run([sys.executable, f"steps/{step}/serve.py", "--model", MODEL, "--device", "cpu",
                            "--max-num-seqs", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert proc.returncode == 2 and len(errors) == 1 and "max_num_seqs must be" in errors[0], proc.stderr[-2000:]

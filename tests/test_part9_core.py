@@ -7,9 +7,14 @@ On the CPU, tiny Llama (one core process for the module, started once):
 - the core killed with SIGKILL mid-stream: every open stream ends with EngineDeadError within 5 s, later calls too.
 """
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +24,7 @@ from shared import SamplingParams
 
 CORE = introducing("engine_core_process")
 OPTIONS = dict(device="cpu", dtype="float32", max_kv_tokens=4096, max_num_seqs=8)
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    ", "Once upon a time", "Hello"]
 
 
@@ -128,3 +134,160 @@ def test_sigkill_of_the_core_ends_open_streams():
     finally:
         engine.shutdown()
     assert not engine.process.is_alive()
+
+
+def test_outputs_cross_the_wire_as_deltas(engine, offline):
+    """The bytes the front end receives grow with a request's tokens, not with their square: per token, a
+    200-token answer costs no more than twice what a 20-token one does (cumulative outputs would cost ~10x)."""
+    per_token = {}
+    for n in (20, 200):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        before = engine.stats["bytes_in"]
+        got = asyncio.run(_collect(engine, PROMPTS[2], params))[-1].outputs[0]
+        per_token[n] = (engine.stats["bytes_in"] - before) / n
+        assert got.token_ids == offline.generate([PROMPTS[2]], params)[0].outputs[0].token_ids
+    print(f"bytes received per token: {per_token}")
+    assert per_token[200] <= 2 * per_token[20], per_token
+
+
+def test_a_message_that_fails_to_decode_is_named_and_the_core_serves_on(engine, offline, capsys):
+    before = asyncio.run(engine.get_stats())["bad_messages"]
+    with engine._send_lock:
+        engine._to_core.send(b"\xc1 not msgpack")  # 0xc1: a byte msgpack never uses
+    params = SamplingParams(temperature=0, max_tokens=8)
+    got = asyncio.run(_collect(engine, PROMPTS[0], params))[-1].outputs[0]
+    assert got.token_ids == offline.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    assert asyncio.run(engine.get_stats())["bad_messages"] == before + 1
+    assert "engine core error: a message failed to decode" in capsys.readouterr().out  # the core's Error, logged
+
+
+def test_32_concurrent_streams_all_equal_offline(engine, offline):
+    prompts = [f"Stream {i} tells of {i * 7}" for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0] for o in offline.generate(prompts, params)]
+
+    async def run():
+        return await asyncio.gather(*(_collect(engine, p, params) for p in prompts))
+
+    got = [outs[-1].outputs[0] for outs in asyncio.run(run())]
+    assert [(g.text, g.token_ids) for g in got] == [(w.text, w.token_ids) for w in want]
+    state = asyncio.run(engine.get_stats())
+    assert state["free_blocks"] == state["num_blocks"] and state["requests"] == 0
+
+
+# ---- serve.py as processes: the front end and its core ------------------------------------------------------------
+def _start_server():
+    import httpx
+
+    port = step_module(CORE, "parallel").free_port()
+    proc = subprocess.Popen([sys.executable, f"steps/{CORE}/serve.py", "--model", TINY, "--port", str(port),
+                             "--device", "cpu", "--max-kv-tokens", "2048"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "serve.py did not start"
+        time.sleep(0.2)
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a child of this process stays a zombie until reaped
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def _stop(proc) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+def test_a_server_whose_core_is_killed_fails_fast_and_a_new_one_serves():
+    """SIGKILL of the core mid-stream: each open stream ends with an error event within 5 s, the request waiting for
+    a whole answer gets 500, /health and new requests 503; SIGTERM then stops the front end with exit 0, no process
+    is left, and a new server serves again."""
+    import httpx
+
+    proc, base = _start_server()
+    try:
+        core_pid = httpx.get(f"{base}/stats", timeout=10).json()["core_pid"]
+        body = {"model": TINY, "prompt": "go on", "max_tokens": 1500, "ignore_eos": True}
+        events, whole = [[] for _ in range(3)], []
+
+        def stream(i):
+            with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+                events[i].extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        threads.append(threading.Thread(target=lambda: whole.append(
+            httpx.post(f"{base}/v1/completions", json=body, timeout=30))))
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while not all(events) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(events), "the streams did not start"
+        killed = time.monotonic()
+        os.kill(core_pid, signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=5)
+        took = time.monotonic() - killed
+        assert not any(t.is_alive() for t in threads) and took < 5, took
+        for e in events:
+            assert e[-1] == "data: [DONE]" and "engine core died" in e[-2], e[-2:]
+            assert json.loads(e[-2][len("data: "):])["error"]["type"] == "server_error"
+        assert whole[0].status_code == 500 and "engine core died" in whole[0].json()["error"]["message"]
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 503
+        r = httpx.post(f"{base}/v1/completions", json={"model": TINY, "prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    finally:
+        code = _stop(proc)
+    assert code == 0 and _gone(core_pid, 5)
+    proc, base = _start_server()
+    try:
+        r = httpx.post(f"{base}/v1/completions", json={"model": TINY, "prompt": "x", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        core_pid = httpx.get(f"{base}/stats", timeout=10).json()["core_pid"]
+    finally:
+        code = _stop(proc)
+    assert code == 0 and _gone(core_pid, 10), "SIGTERM left the core running"
+
+
+def test_the_core_exits_when_its_front_end_dies():
+    import httpx
+
+    proc, base = _start_server()
+    try:
+        core_pid = httpx.get(f"{base}/stats", timeout=10).json()["core_pid"]
+        proc.kill()  # SIGKILL: the front end runs no cleanup at all
+        proc.wait()
+        assert _gone(core_pid, 5), "the core outlived its front end"
+    finally:
+        _stop(proc)
+
+
+def test_a_core_that_fails_to_start_ends_the_server_in_one_line():
+    proc = subprocess.run([sys.executable, f"steps/{CORE}/serve.py", "--model", "no-such-model", "--device", "cpu"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert proc.returncode in (1, 2) and len(errors) == 1 and "no-such-model" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

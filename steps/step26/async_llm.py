@@ -58,6 +58,10 @@ class EngineDeadError(RuntimeError):
     """The step loop stopped on an error outside a step (vLLM's name): no request runs, none is taken any more."""
 
 
+class EngineStartError(RuntimeError):
+    """step26: the engine core process failed to start (it died, or did not say Ready in time)."""
+
+
 class _Stream:
     """One request's way back to its caller: an asyncio queue of the caller's event loop, fed from the step thread."""
 
@@ -367,11 +371,13 @@ class AsyncLLM:
 
     POLL_MS = 100  # how often the reader thread, idle, checks that the core is alive
 
-    def __init__(self, model: str = DEFAULT_MODEL, startup_timeout_s: float = 600.0, **engine_options):
+    def __init__(self, model: str = DEFAULT_MODEL, startup_timeout_s: float = 600.0, _core_setup=None,
+                 **engine_options):
         self.model_name = str(model)
         self.tokenizer = Tokenizer(resolve_model(model))
         self._dir = tempfile.mkdtemp(prefix="llm-core-")
         self._ctx = zmq.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)  # a closed socket drops what it could not send: nothing waits for a dead core
         self._to_core, self._from_core = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
         self._to_core.bind(f"ipc://{self._dir}/input")
         self._from_core.bind(f"ipc://{self._dir}/output")
@@ -389,7 +395,7 @@ class AsyncLLM:
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(target=wire.run_engine_core, name="EngineCore",
                                    args=(model, engine_options, f"ipc://{self._dir}/input",
-                                         f"ipc://{self._dir}/output", os.getpid()))
+                                         f"ipc://{self._dir}/output", os.getpid(), _core_setup))
         self.process.start()
         self._finalizer = weakref.finalize(self, _stop_core, self.process, self._dir)
         ready = self._wait_ready(startup_timeout_s)
@@ -408,14 +414,15 @@ class AsyncLLM:
                 msg = self._decoder.decode(self._from_core.recv())
                 if isinstance(msg, wire.Ready):
                     return msg
-                if isinstance(msg, wire.Error):
+                if isinstance(msg, wire.Error):  # the core's own error: ValueError for a bad model or option
                     self._finalizer()
-                    raise RuntimeError(msg.message)
+                    raise (ValueError if msg.kind == "ValueError" else EngineStartError)(msg.message)
             elif not self.process.is_alive():
                 self._finalizer()
-                raise RuntimeError(f"the engine core exited while it started (exit code {self.process.exitcode})")
+                raise EngineStartError(f"the engine core exited while it started (exit code "
+                                       f"{self.process.exitcode})")
         self._finalizer()
-        raise RuntimeError(f"the engine core did not start within {timeout_s:g} s")
+        raise EngineStartError(f"the engine core did not start within {timeout_s:g} s")
 
     # ---- state -----------------------------------------------------------------------------------------------
     @property
@@ -519,10 +526,18 @@ class AsyncLLM:
         for req in requests.values():
             req.stream.put(EngineShutDown("the engine was shut down while this request ran"))
         self._finalizer()
+        if self._reader.is_alive() and self._reader is not threading.current_thread():
+            self._reader.join(timeout=5)  # it sees _stopped within POLL_MS: then nothing uses the sockets
+        with self._send_lock:
+            self._to_core.close()
+            self._from_core.close()
+        self._ctx.term()
 
     def _send(self, msg) -> None:
         frame = self._encoder.encode(msg)
         with self._send_lock:
+            if self._to_core.closed:
+                raise EngineShutDown("the engine is shut down")
             self._to_core.send(frame, copy=False)
 
     # ---- the reader thread: the core's messages, and its death -------------------------------------------------
@@ -531,7 +546,7 @@ class AsyncLLM:
             while not self._stopped:
                 if not self._from_core.poll(self.POLL_MS):
                     if not self.process.is_alive():
-                        raise RuntimeError(f"the engine core process exited (exit code {self.process.exitcode})")
+                        raise RuntimeError(f"its process exited (exit code {self.process.exitcode})")
                     continue
                 frame = self._from_core.recv()
                 self.stats["bytes_in"] += len(frame)
@@ -590,8 +605,12 @@ class AsyncLLM:
                     item = EngineStepError(d.error) if d.finish_reason == "error" else RuntimeError(d.error)
                     by_loop.setdefault(req.stream.loop, []).append((req.stream.queue, item))
                     continue
-                sp = req.params
-                for i, token in enumerate(d.token_ids):
+                skip = len(req.output_ids) - d.start  # tokens of this delta the request has already
+                if skip < 0:
+                    raise RuntimeError(f"request {d.request_id}: the core sent tokens from output index {d.start}, "
+                                       f"the front end has {len(req.output_ids)}: a message was lost")
+                for i in range(skip, len(d.token_ids)):
+                    token = d.token_ids[i]
                     req.output_ids.append(token)
                     if req.logprobs is not None:
                         req.logprobs.append(d.logprobs[i])

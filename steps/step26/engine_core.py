@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -80,8 +81,10 @@ class GetStats(msgspec.Struct, tag="get_stats", array_like=True):
 
 
 class Delta(msgspec.Struct, array_like=True):
-    """What one request got in one step: its new tokens only."""
+    """What one request got in one step: its new tokens only, and where they start in its output (so the front end
+    takes only what it lacks, and a gap would show)."""
     request_id: str
+    start: int  # the output index of token_ids[0]
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per new token (top-N and the chosen one)
     cumulative_logprob: float
@@ -101,7 +104,8 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
 
 class Error(msgspec.Struct, tag="error", array_like=True):
     message: str
-    fatal: bool = False  # the core's loop died: nothing is served any more
+    fatal: bool = False  # the core's loop died, or never started: nothing is served any more
+    kind: str = "RuntimeError"  # the exception's type: "ValueError" for a bad model or option (the caller's input)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -145,7 +149,7 @@ class EngineCore:
         llm = self.llm
         return {"running": len(llm.scheduler.running), "waiting": len(llm.scheduler.waiting),
                 "free_blocks": llm.block_manager.num_free_blocks, "num_blocks": llm.block_manager.num_blocks,
-                "requests": len(self.sent), "core_cpu_s": time.process_time(), **self.stats}
+                "requests": len(self.sent), "core_cpu_s": time.process_time(), "core_pid": os.getpid(), **self.stats}
 
     def run_busy_loop(self) -> None:
         llm = self.llm
@@ -154,7 +158,7 @@ class EngineCore:
             block = not llm.has_unfinished_requests()
             while True:
                 try:
-                    msg = self.inputs.get(block=block)
+                    msg = self.inputs.get(block=block, timeout=0.5 if block else None)  # a signal can still land
                 except queue.Empty:
                     break
                 if msg is None:  # the input thread says stop
@@ -164,35 +168,41 @@ class EngineCore:
             if not llm.has_unfinished_requests():
                 continue
             try:
-                outs = llm.step(partial=True)
+                finished = {out.request_id: out for out in llm.step()}  # the offline step: only finished outputs
             except Exception as e:  # the step's requests were dropped (LLM._step): each gets the error
                 self.stats["failed_steps"] += 1
                 dropped = [rid for rid in self.sent if rid not in llm.scheduler.requests]
                 message = f"the engine step failed: {type(e).__name__}: {e}"
                 for rid in dropped:
                     del self.sent[rid]
-                self.outputs.put(Outputs([Delta(rid, [], None, 0.0, "error", None, message) for rid in dropped]))
+                self.outputs.put(Outputs([Delta(rid, 0, [], None, 0.0, "error", None, message) for rid in dropped]))
                 continue
             self.stats["steps"] += 1
-            deltas = []
-            for out in outs:
-                sent = self.sent.get(out.request_id)
-                if sent is None:  # aborted meanwhile
-                    continue
-                c = out.outputs[0]
-                new_ids = c.token_ids[sent:]
-                if not new_ids and not out.finished:
-                    continue
-                logprobs = c.logprobs[sent:] if c.logprobs is not None else None
-                if out.finished:
-                    del self.sent[out.request_id]
-                else:
-                    self.sent[out.request_id] = sent + len(new_ids)
-                stop_reason = c.stop_reason if isinstance(c.stop_reason, int) else None
-                deltas.append(Delta(out.request_id, new_ids, logprobs, c.cumulative_logprob,
-                                    c.finish_reason if out.finished else None, stop_reason))
+            deltas = self.deltas(finished)
             if deltas:
                 self.outputs.put(Outputs(deltas))
+
+    def deltas(self, finished: dict) -> list[Delta]:
+        """What each request got since the last message: read from its sequence (the tokens after those sent), so
+        no request's whole output is copied per step, in this process or on the wire."""
+        deltas, requests = [], self.llm.scheduler.requests
+        for rid, sent in list(self.sent.items()):
+            out = finished.get(rid)
+            if out is not None:  # finished in this step: its last tokens, and why it ended
+                c = out.outputs[0]
+                del self.sent[rid]
+                stop_reason = c.stop_reason if isinstance(c.stop_reason, int) else None
+                logprobs = c.logprobs[sent:] if c.logprobs is not None else None
+                deltas.append(Delta(rid, sent, c.token_ids[sent:], logprobs, c.cumulative_logprob, c.finish_reason,
+                                    stop_reason))
+                continue
+            seq = requests.get(rid)
+            known = seq.num_known_outputs if seq is not None else sent
+            if known > sent:  # running, with tokens read since the last message (PENDING places are not read)
+                self.sent[rid] = known
+                logprobs = seq.logprobs[sent:known] if seq.logprobs is not None else None
+                deltas.append(Delta(rid, sent, seq.output_ids[sent:known], logprobs, seq.cumulative_logprob))
+        return deltas
 
     def _handle(self, msg) -> None:
         llm = self.llm
@@ -201,7 +211,7 @@ class EngineCore:
                 llm._add(None, msg.prompt_ids, msg.params.sampling_params(), request_id=msg.request_id)
                 self.sent[msg.request_id] = 0
             except ValueError as e:
-                self.outputs.put(Outputs([Delta(msg.request_id, [], None, 0.0, "error", None, str(e))]))
+                self.outputs.put(Outputs([Delta(msg.request_id, 0, [], None, 0.0, "error", None, str(e))]))
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
                 if llm.abort_request(rid) is not None:
@@ -245,9 +255,17 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.2)
 
 
-def run_engine_core(model: str, engine_options: dict, input_addr: str, output_addr: str, parent_pid: int) -> None:
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)  # in the main thread (the busy loop): its finally shuts the LLM and its workers down
+
+
+def run_engine_core(model: str, engine_options: dict, input_addr: str, output_addr: str, parent_pid: int,
+                    setup=None) -> None:
     """The core process's entry point: connect the sockets, build the LLM, say Ready (or the Error that stopped the
-    build), then run the busy loop until the process ends. A loop that dies sends a fatal Error first."""
+    build), then run the busy loop until the process ends. A loop that dies sends a fatal Error first. `setup`, if
+    given, is a module-level function called with the LLM once it is built (the tests inject faults with it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front end decides
+    signal.signal(signal.SIGTERM, _exit_cleanly)  # the front end's stop: the loop ends, the LLM shuts down
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent watch", daemon=True).start()
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -256,8 +274,12 @@ def run_engine_core(model: str, engine_options: dict, input_addr: str, output_ad
     encoder = msgspec.msgpack.Encoder()
     try:
         llm = _CoreLLM(model, **engine_options)
+        if setup is not None:
+            setup(llm)
     except BaseException as e:
-        out.send(encoder.encode(Error(f"the engine core failed to start: {type(e).__name__}: {e}", fatal=True)))
+        kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
+        out.send(encoder.encode(Error(f"the engine core failed to start: {e}" if kind == "ValueError" else
+                                      f"the engine core failed to start: {type(e).__name__}: {e}", True, kind)))
         out.close(linger=2000)
         return
     core = EngineCore(llm)
@@ -268,9 +290,11 @@ def run_engine_core(model: str, engine_options: dict, input_addr: str, output_ad
     writer.start()
     try:
         core.run_busy_loop()
+    except SystemExit:  # SIGTERM: stopped, not dead
+        pass
     except BaseException as e:
         traceback.print_exc()
-        core.outputs.put(Error(f"the engine core died: {type(e).__name__}: {e}", fatal=True))
+        core.outputs.put(Error(f"its loop failed: {type(e).__name__}: {e}", fatal=True))
     finally:
         core.outputs.put(None)
         writer.join(timeout=5)

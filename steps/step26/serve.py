@@ -1,6 +1,12 @@
 """step24: an OpenAI-compatible HTTP server on top of step23's streaming engine (AsyncLLM).
 
-    python steps/step24/serve.py --model smollm2-135m [--host 127.0.0.1] [--port 8000] [--api-key K] [engine options]
+step26: the same server, whose AsyncLLM runs the engine in a core process of its own (engine_core.py): this process
+keeps HTTP, JSON, the tokenizer and the detokenizer; the core keeps the scheduler and the model. A core that dies
+(killed, or its loop failed) ends every open stream with an error event, answers a request it was serving with 500,
+and every later request, /health included, with 503. A core that fails to start ends the server with its error on
+one line. SIGINT or SIGTERM stops the server and the core, exit status 0.
+
+    python steps/step26/serve.py --model smollm2-135m [--host 127.0.0.1] [--port 8000] [--api-key K] [engine options]
 
 Endpoints (OpenAI's API, as vLLM serves it):
 
@@ -40,6 +46,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import signal
 import time
 import uuid
 
@@ -50,7 +57,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from shared import ContextLengthExceededError, SamplingParams, check_messages
 
-from .async_llm import AsyncLLM, EngineDeadError, EngineShutDown, EngineStepError
+from .async_llm import AsyncLLM, EngineDeadError, EngineShutDown, EngineStartError, EngineStepError
 from .model import KV_CACHE_DTYPES
 
 # OpenAI fields this server reads (each checked) or knows to be harmless (user: an end-user id, for their logs).
@@ -142,9 +149,10 @@ class Server:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "llm-steps", "max_model_len": self.engine.llm.max_model_len}]}
 
-    def stats(self) -> dict:
-        # the engine's state as its step thread copied it between two steps: this thread never reads the live LLM
-        return {**self.engine.snapshot(), "process_cpu_s": time.process_time()}  # the whole process's CPU time so far
+    async def stats(self) -> dict:
+        # step26: the core's state, which it sends between two of its steps when asked, and this process's counters
+        core = await self.engine.get_stats()
+        return {**self.engine.snapshot(), **core, "process_cpu_s": time.process_time()}  # this process's CPU time
 
     def room(self, prompt_len: int) -> int:
         """The tokens a reply may take after a prompt of prompt_len tokens: the rest of the model's context, or of the
@@ -298,7 +306,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
         yield
         engine.shutdown()  # the server stops (SIGINT, SIGTERM): so does the engine, its workers with it
 
-    app = FastAPI(title="llm-steps step24", lifespan=lifespan)
+    app = FastAPI(title="llm-steps step26", lifespan=lifespan)
     app.state.server = server
 
     # Every handler raises its errors; these turn them into OpenAI's shape, in one place.
@@ -325,7 +333,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
 
     @app.get("/stats")
     async def stats():
-        return JSONResponse(server.stats())
+        return JSONResponse(await server.stats())
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
@@ -341,7 +349,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
             return StreamingResponse(server.sse(request_id, stream, prompt_tokens, sp, chat,
                                                 bool(options.get("include_usage"))),
                                      media_type="text/event-stream", headers=headers)
-        out = await server.complete(stream, request.is_disconnected)
+        try:
+            out = await server.complete(stream, request.is_disconnected)
+        except EngineDeadError as e:  # step26: the core died while it served this request (later ones get 503)
+            raise APIError(500, str(e), kind="server_error") from e
         if out is None or out.outputs[0].finish_reason == "abort":  # the client went away: nobody reads this
             raise APIError(499, "the client closed the request", kind="client_closed")
         return JSONResponse(server.response(request_id, out, prompt_tokens, sp, chat), headers=headers)
@@ -379,6 +390,10 @@ def engine_options(args) -> dict:
                 enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization)
 
 
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
+
+
 def main() -> None:
     parser = engine_arg_parser(__doc__)
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only)")
@@ -389,10 +404,17 @@ def main() -> None:
         parser.error(f"argument --port: must be in 0..65535, got {args.port}")
     import uvicorn
 
+    # step26: SIGTERM ends the process as SIGINT does, with exit status 0: uvicorn stops on either, then raises the
+    # signal again to the handler it found, this one (whose default would kill the process, status -15); one that
+    # arrives while the core starts ends the start the same way (the core is stopped at exit)
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         engine = AsyncLLM(args.model, **engine_options(args))
     except ValueError as e:  # bad input: one `error:` line, exit status 2
         parser.error(str(e))
+    except EngineStartError as e:  # step26: the core process failed to start: its error on one line, exit status 1
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 ({engine.llm.backend})", flush=True)
     uvicorn.run(build_app(engine, args.model, args.api_key), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=5)
