@@ -1,4 +1,5 @@
-"""The serving table of step24's chapter: serve.py started on a free loopback port, bench_serve.py's requests at
+"""The serving tables of step24's and step26's chapters: a step's serve.py (--step, default step24) started
+on a free loopback port, bench_serve.py's requests at
 several rates against it, then saturation (every request at once) alternated with the same requests through the
 offline engine, in one call.
 
@@ -29,6 +30,9 @@ sys.path.insert(0, str(ROOT))
 from steps.step24.bench_serve import bench, random_prompts, rate_arg  # noqa: E402
 from steps.step24.run import free_port, start_server  # noqa: E402
 
+# step26 on, the engine is a core process of its own: /stats adds its CPU seconds to the front end's
+PHASES_KEY, CORE_CPU_KEY = "phase_s", "core_cpu_s"
+
 
 def served(base: str, args, rate: float, prompts) -> dict:
     """One bench_serve.py run, with what the server's engine did meanwhile (from /stats before and after)."""
@@ -39,11 +43,14 @@ def served(base: str, args, rate: float, prompts) -> dict:
     result["client_cpu_s"] = time.process_time() - client_cpu  # this process's: the benchmark's client
     after = httpx.get(f"{base}/stats", timeout=10).json()
     result["server_steps"] = after["steps"] - before["steps"]
-    result["server_phase_s"] = {k: v - before["phase_s"][k] for k, v in after["phase_s"].items()}
+    result["server_phase_s"] = {k: v - before[PHASES_KEY].get(k, 0.0) for k, v in after[PHASES_KEY].items()}
     result["server_coalesced"] = after["coalesced"] - before["coalesced"]  # outputs a slow stream passed over
-    # CPU seconds of the server process, and of its step-loop thread alone (the rest: the event loop, HTTP)
+    # CPU seconds of the server process (with a core: the front end's), and of the step loop's: its thread's in
+    # step24 (the rest: the event loop, HTTP), the core process's from step26 on
     result["server_cpu_s"] = after["process_cpu_s"] - before["process_cpu_s"]
-    result["server_step_thread_cpu_s"] = after["step_thread_cpu_s"] - before["step_thread_cpu_s"]
+    loop_key = CORE_CPU_KEY if CORE_CPU_KEY in after else "step_thread_cpu_s"
+    result["server_step_thread_cpu_s"] = after[loop_key] - before[loop_key]
+    result["server_step_loop_cpu_key"] = loop_key
     result["command"] = " ".join(sys.argv)
     print(f"rate {result['request_rate']}: {result['completed']} of {len(prompts)} requests done in "
           f"{result['duration_s']:.1f} s ({result['output_throughput']:.1f} output tokens/s)", flush=True)
@@ -66,6 +73,7 @@ def offline_run(llm, prompts, output_len: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
+    p.add_argument("--step", default="step24", help="whose serve.py and offline LLM (default: %(default)s)")
     p.add_argument("--device", default=None)
     p.add_argument("--rates", type=rate_arg, nargs="+", default=[1.0, 2.0, 4.0], help="finite rates (saturation: always)")
     p.add_argument("--repeats", type=int, default=3, help="saturation and offline runs, alternated")
@@ -78,12 +86,15 @@ def main() -> None:
     args = p.parse_args()
     from shared import SamplingParams
     from shared.cli import format_table
-    from steps.step24.engine import LLM
+    import importlib
+
+    LLM = importlib.import_module(f"steps.{args.step}.engine").LLM
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     options = ["--max-num-seqs", str(args.max_num_seqs), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    server = start_server(args.model, port, *options, *(["--device", args.device] if args.device else []))
+    server = start_server(args.model, port, *options, *(["--device", args.device] if args.device else []),
+                          serve_py=ROOT / "steps" / args.step / "serve.py")
     try:
         llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
                   gpu_memory_utilization=args.gpu_memory_utilization)
@@ -103,7 +114,7 @@ def main() -> None:
             server.kill()
     med_server = statistics.median(r["output_throughput"] for r in saturated)
     med_offline = statistics.median(r["output_throughput"] for r in offline)
-    summary = {"offline": {"runs": offline, "median_output_throughput": med_offline, "device": str(llm.device),
+    summary = {"step": args.step, "offline": {"runs": offline, "median_output_throughput": med_offline, "device": str(llm.device),
                            "backend": llm.backend},
                "server_at_saturation_median_output_throughput": med_server,
                "server_at_saturation_over_offline": med_server / med_offline}
@@ -113,7 +124,7 @@ def main() -> None:
     ms = lambda m: " / ".join(num(m[k]) for k in ("mean", "p50", "p99"))  # noqa: E731
     rows = [[r["request_rate"], r["completed"], f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}",
              ms(r["ttft_ms"]), ms(r["tpot_ms"]), ms(r["itl_ms"]), ms(r["e2e_ms"])] for r in [*lines, *saturated]]
-    print(f"\n{args.model} on {llm.device}: {args.num_prompts} requests, {args.input_len} prompt tokens and "
+    print(f"\n{args.step}, {args.model} on {llm.device}: {args.num_prompts} requests, {args.input_len} prompt tokens and "
           f"{args.output_len} new tokens each; latencies in ms, mean / p50 / p99")
     print(format_table(["rate, req/s", "done", "requests/s", "output tokens/s", "TTFT", "TPOT", "ITL", "E2E"], rows))
     runs = ", ".join(f"{r['output_throughput']:.1f}" for r in offline)
@@ -127,10 +138,11 @@ def main() -> None:
           f"{sum(sum(r['server_phase_s'].values()) for r in saturated):.2f} s of them in its phases; offline: "
           f"{o_steps} steps in {o_wall:.2f} s, {sum(sum(r['phase_s'].values()) for r in offline):.2f} s in phases")
     for k in offline[0]["phase_s"]:
-        print(f"  {k:<16} server {1000 * sum(r['server_phase_s'][k] for r in saturated) / max(s_steps, 1):8.2f} "
+        print(f"  {k:<16} server {1000 * sum(r['server_phase_s'].get(k, 0) for r in saturated) / max(s_steps, 1):8.2f} "
               f"ms/step   offline {1000 * sum(r['phase_s'][k] for r in offline) / max(o_steps, 1):8.2f} ms/step")
     print(f"CPU seconds at saturation: the server's process {sum(r['server_cpu_s'] for r in saturated):.2f} in "
-          f"{s_wall:.2f} s (its step loop's thread {sum(r['server_step_thread_cpu_s'] for r in saturated):.2f}), "
+          f"{s_wall:.2f} s (its step loop's, {saturated[0]['server_step_loop_cpu_key']}: "
+          f"{sum(r['server_step_thread_cpu_s'] for r in saturated):.2f}), "
           f"the benchmark's client {sum(r['client_cpu_s'] for r in saturated):.2f}")
     print("outputs passed over for a newer one (the server fell behind a stream), by rate: "
           + ", ".join(f"{r['request_rate']}: {r['server_coalesced']}" for r in [*lines, *saturated]))

@@ -41,11 +41,11 @@ def main() -> None:
         show_lesson(llm, args)
 
 
-def start_server(model: str, port: int, *options: str) -> subprocess.Popen:
-    """serve.py in its own process with these engine options; -> once /health answers."""
+def start_server(model: str, port: int, *options: str, serve_py: Path = HERE / "serve.py") -> subprocess.Popen:
+    """serve.py (this step's, or another's) in its own process with these engine options; -> once /health answers."""
     import httpx
 
-    cmd = [sys.executable, str(HERE / "serve.py"), "--model", model, "--port", str(port), *options]
+    cmd = [sys.executable, str(serve_py), "--model", model, "--port", str(port), *options]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

@@ -550,7 +550,10 @@ class AsyncLLM:
                     continue
                 frame = self._from_core.recv()
                 self.stats["bytes_in"] += len(frame)
-                msg = self._decoder.decode(frame)
+                try:
+                    msg = self._decoder.decode(frame)
+                except msgspec.DecodeError as e:  # its outputs may be lost: no stream could trust the rest
+                    raise RuntimeError(f"a message from the core failed to decode: {e}") from e
                 if isinstance(msg, wire.Outputs):
                     self._on_outputs(msg.deltas)
                 elif isinstance(msg, wire.Stats):

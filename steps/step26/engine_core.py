@@ -99,7 +99,7 @@ class Outputs(msgspec.Struct, tag="outputs", array_like=True):
 
 class Stats(msgspec.Struct, tag="stats", array_like=True):
     reply: int
-    state: dict[str, int | float]
+    state: dict[str, int | float | dict[str, float]]  # counters, and the time by phase (phase_s)
 
 
 class Error(msgspec.Struct, tag="error", array_like=True):
@@ -145,11 +145,12 @@ class EngineCore:
         self.sent: dict[str, int] = {}  # request_id -> output tokens already sent (a delta starts there)
         self.stats = {"steps": 0, "failed_steps": 0, "aborted": 0, "bad_messages": 0}
 
-    def state(self) -> dict[str, int | float]:
+    def state(self) -> dict:
         llm = self.llm
         return {"running": len(llm.scheduler.running), "waiting": len(llm.scheduler.waiting),
                 "free_blocks": llm.block_manager.num_free_blocks, "num_blocks": llm.block_manager.num_blocks,
-                "requests": len(self.sent), "core_cpu_s": time.process_time(), "core_pid": os.getpid(), **self.stats}
+                "requests": len(self.sent), "core_cpu_s": time.process_time(), "core_pid": os.getpid(),
+                "phase_s": dict(llm.timers.seconds), **self.stats}
 
     def run_busy_loop(self) -> None:
         llm = self.llm
