@@ -130,7 +130,7 @@ def test_sigkill_of_the_core_ends_open_streams():
             async for _ in engine.generate("again", SamplingParams(max_tokens=2)):
                 pass
         with pytest.raises(mod.EngineDeadError):
-            asyncio.run(later())
+            asyncio.run(asyncio.wait_for(later(), timeout=5))
     finally:
         engine.shutdown()
     assert not engine.process.is_alive()

@@ -22,6 +22,7 @@ step25's threaded AsyncLLM stays as InProcessAsyncLLM (the step loop in a thread
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -379,6 +380,7 @@ class AsyncLLM:
         self._ctx = zmq.Context()
         self._ctx.setsockopt(zmq.LINGER, 0)  # a closed socket drops what it could not send: nothing waits for a dead core
         self._to_core, self._from_core = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+        self._to_core.setsockopt(zmq.SNDHWM, 0)  # no limit on queued requests: a burst is never refused
         self._to_core.bind(f"ipc://{self._dir}/input")
         self._from_core.bind(f"ipc://{self._dir}/output")
         self._send_lock = threading.Lock()  # a ZMQ socket is not thread-safe: callers' loops and the reader send
@@ -475,9 +477,9 @@ class AsyncLLM:
             if request_id in self._requests:
                 raise ValueError(f"request_id {request_id!r} is already running")
             self._requests[request_id] = _Request(request_id, text, ids, sp, stream, self.tokenizer)
-        self._send(wire.Add(request_id, ids, wire.Params.of(sp)))
         finished = False
         try:
+            self._send(wire.Add(request_id, ids, wire.Params.of(sp)))
             while not finished:
                 item = await stream.queue.get()
                 while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
@@ -491,7 +493,8 @@ class AsyncLLM:
             with self._lock:
                 open_ = self._requests.pop(request_id, None) is not None
             if not finished and open_ and self._dead is None and not self._stopped:
-                self._send(wire.Abort([request_id]))
+                with contextlib.suppress(EngineDeadError, EngineShutDown):  # a core that is gone runs nothing on
+                    self._send(wire.Abort([request_id]))
 
     async def abort(self, request_id: str) -> bool:
         """End a request now: its blocks are free in the core when this returns, and its stream ends with one last
@@ -513,7 +516,12 @@ class AsyncLLM:
                 raise self.dead_error
             reply = next(self._reply_ids)
             self._replies[reply] = (loop, done)
-        self._send(make(reply))
+        try:
+            self._send(make(reply))
+        except BaseException:
+            with self._lock:
+                self._replies.pop(reply, None)
+            raise
         return await done
 
     def shutdown(self) -> None:
@@ -538,7 +546,10 @@ class AsyncLLM:
         with self._send_lock:
             if self._to_core.closed:
                 raise EngineShutDown("the engine is shut down")
-            self._to_core.send(frame, copy=False)
+            try:  # never blocks: the queue has no limit, so only a core that is gone refuses (no peer to send to)
+                self._to_core.send(frame, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise EngineDeadError("the engine core takes no messages: its process is gone") from None
 
     # ---- the reader thread: the core's messages, and its death -------------------------------------------------
     def _read_loop(self) -> None:
