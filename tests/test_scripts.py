@@ -116,6 +116,7 @@ LAYERS = [
     {"model_runner", "attention"},  # the runner and the attention backends that build its metadata
     {"worker"},  # a rank's build and the tensor-parallel worker processes (step22 on)
     {"engine"},
+    {"engine_core"},  # the engine core process around the engine (step26 on)
     {"async_llm"},  # the streaming engine (step23 on)
     {"serve", "bench_serve", "run", "__init__"},  # what a user runs, and the package's own file
 ]
