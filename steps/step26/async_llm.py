@@ -92,7 +92,8 @@ def _fail(future: asyncio.Future, error: BaseException) -> None:
 
 
 class InProcessAsyncLLM:
-    """step25's AsyncLLM (the step loop a thread of this process). An LLM served to many callers at once, streaming each request's outputs as its tokens arrive.
+    """step25's AsyncLLM (the step loop a thread of this process). An LLM served to many callers at once, streaming
+    each request's outputs as its tokens arrive.
 
         engine = AsyncLLM("smollm2-135m", max_num_seqs=16)
         async for out in engine.generate("Hello", SamplingParams(max_tokens=32), request_id="a"):
