@@ -177,22 +177,12 @@ def test_32_concurrent_streams_all_equal_offline(engine, offline):
 
 # ---- serve.py as processes: the front end and its core ------------------------------------------------------------
 def _start_server():
-    import httpx
-
+    """serve.py of this step in its own process (step24's run.start_server): -> (the process, its base URL)."""
     port = step_module(CORE, "parallel").free_port()
-    proc = subprocess.Popen([sys.executable, f"steps/{CORE}/serve.py", "--model", TINY, "--port", str(port),
-                             "--device", "cpu", "--max-kv-tokens", "2048"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "serve.py did not start"
-        time.sleep(0.2)
+    start_server = step_module(introducing("openai_server"), "run").start_server
+    proc = start_server(TINY, port, "--device", "cpu", "--max-kv-tokens", "2048",
+                        serve_py=ROOT / "steps" / CORE / "serve.py")
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def _gone(pid: int, timeout: float) -> bool:
