@@ -13,6 +13,7 @@ Every test runs on step24 and on the newest step. From step26 on the engine is a
 injected there (tests/core_faults.py, by the request's seed), and the engine's state is what the core reports.
 """
 import asyncio
+import inspect
 import contextlib
 import json
 import signal
@@ -441,6 +442,21 @@ def test_bench_serve_measures_what_the_server_served(server):
     assert bad["failed"] == 2 and "HTTP 404" in bad["errors"][0]
 
 
+def test_bench_serve_can_spread_its_client_over_processes(server):
+    """step26's client (bench_serve.py --client-processes): the requests split over processes that start from one
+    moment, their results put back together: every request counted once, the latencies on one clock (no request's
+    E2E is longer than the run), and the CPU seconds of all the client's processes."""
+    bench = step_module(server.step, "bench_serve")
+    if "procs" not in inspect.signature(bench.bench).parameters:
+        pytest.skip(f"{server.step}'s bench_serve.py has one client process")
+    prompts = bench.random_prompts(5, 12, seed=4)
+    r = asyncio.run(bench.bench(server.base, NAME, float("inf"), prompts, 4, procs=2))
+    assert (r["completed"], r["failed"], r["output_tokens"], r["client_processes"]) == (5, 0, 20, 2)
+    assert 0 < r["ttft_ms"]["p50"] <= r["e2e_ms"]["p99"] <= 1000 * r["duration_s"]
+    assert r["client_cpu_s"] > 0 and 0 <= r["itl_zero_fraction"] <= 1
+    assert r["total_token_throughput"] == pytest.approx((20 + 5 * 12) / r["duration_s"])
+
+
 def test_bench_serve_warms_up_before_the_first_measured_rate(server, monkeypatch, capsys):
     """bench_serve.py as a command: an untimed warm-up (one request, then all of them at once, of the measured
     prompts' lengths but other token ids, so the measured ones are not in the prefix cache) before the first rate,
@@ -448,9 +464,9 @@ def test_bench_serve_warms_up_before_the_first_measured_rate(server, monkeypatch
     mod = step_module(server.step, "bench_serve")
     calls, real = [], mod.bench
 
-    async def recording(base, model, rate, prompts, output_len, *args):
+    async def recording(base, model, rate, prompts, output_len, *args, **kwargs):
         calls.append((rate, prompts))
-        return await real(base, model, rate, prompts, output_len, *args)
+        return await real(base, model, rate, prompts, output_len, *args, **kwargs)
 
     monkeypatch.setattr(mod, "bench", recording)
     argv = ["bench_serve.py", "--base-url", server.base, "--model", NAME, "--request-rates", "inf",

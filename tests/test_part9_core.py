@@ -281,3 +281,22 @@ def test_a_core_that_fails_to_start_ends_the_server_in_one_line():
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert proc.returncode in (1, 2) and len(errors) == 1 and "no-such-model" in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_the_core_reports_its_cpu_by_thread_and_its_host_threads(engine, monkeypatch):
+    """The core's Stats: CPU seconds by thread (the busy loop is MainThread, its IO threads by name) and the torch
+    host threads it runs with. On a GPU it takes one (the pool spins after every small host op); on the CPU the pool
+    does the model's work and stays; OMP_NUM_THREADS, when set, wins."""
+    asyncio.run(_collect(engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=4)))
+    state = asyncio.run(engine.get_stats())
+    threads = state["threads_cpu_s"]
+    assert threads["MainThread"] > 0 and {"core input", "core output"} <= set(threads), threads
+    assert state["torch_threads"] >= 1
+    import torch
+
+    host_threads_for = step_module(CORE, "engine_core").host_threads_for
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert host_threads_for(torch.device("cuda", 0)) == 1
+    assert host_threads_for(torch.device("cpu")) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert host_threads_for(torch.device("cuda", 0)) is None

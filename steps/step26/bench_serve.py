@@ -1,8 +1,8 @@
 """A serving benchmark against a running OpenAI-compatible server: requests arrive at random (a Poisson process) at
 each given rate, each one streamed, and the latencies a user sees are measured, as `vllm bench serve` reports them.
 
-    python steps/step24/bench_serve.py --base-url http://127.0.0.1:8000 --model smollm2-135m \\
-        --request-rates 1 4 inf --num-prompts 64 --input-len 128 --output-len 64
+    python steps/step26/bench_serve.py --base-url http://127.0.0.1:8000 --model smollm2-135m \\
+        --request-rates 1 4 inf --num-prompts 64 --input-len 128 --output-len 64 --client-processes 4
 
 The requests: --num-prompts prompts of --input-len random token ids (seeded), each asking for exactly --output-len
 tokens (ignore_eos), greedy, through /v1/completions with "stream": true. Rate inf sends every request at once:
@@ -19,6 +19,11 @@ For each rate, one JSON line:
     itl_ms               inter-token latency: the gaps between a stream's chunks, all requests together
     e2e_ms               end-to-end latency: from sending to the last chunk
 each latency as mean, p50, p90 and p99.
+
+--client-processes N spreads the requests over N processes (the same arrival times): one Python process parsing a
+few hundred event streams uses about a core, and then it, not the server, sets the pace. Events that reach the
+client in one socket read get one timestamp, so part of the ITL gaps read 0.0 ("itl_zero_fraction"); the fewer
+streams a process reads, the fewer such bursts.
 """
 from __future__ import annotations
 
@@ -77,12 +82,12 @@ async def one_request(client, url: str, body: dict, headers: dict) -> dict:
     return {"chunks": chunks, "e2e": end, "tokens": tokens}
 
 
-async def bench(base_url: str, model: str, rate: float, prompts: list[list[int]], output_len: int,
-                api_key: str | None = None, seed: int = 0) -> dict:
-    """Every prompt at Poisson arrivals of `rate` per second (inf: all at once) -> the metrics of the run."""
+async def _stream_all(base_url: str, model: str, prompts: list[list[int]], delays: list[float], output_len: int,
+                      api_key: str | None, start_at: float) -> list[dict]:
+    """Send prompts[i] delays[i] seconds after the wall-clock time start_at -> each request's result, with the
+    wall-clock times it was sent and finished (so results from several processes line up)."""
     import httpx
 
-    rng = random.Random(seed)
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # An idle connection is dropped after 1 s, before the server closes it (uvicorn: after 5 s): a request sent on
@@ -90,18 +95,57 @@ async def bench(base_url: str, model: str, rate: float, prompts: list[list[int]]
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts), keepalive_expiry=1.0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         async def arrive(prompt, delay):
-            await asyncio.sleep(delay)
+            await asyncio.sleep(max(0.0, start_at + delay - time.time()))
             body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            return await one_request(client, url, body, headers)
+            sent = time.time()
+            result = await one_request(client, url, body, headers)
+            return {**result, "sent_at": sent, "done_at": time.time()}
 
-        delays, at = [], 0.0
-        for _ in prompts:
-            delays.append(at)
-            at += rng.expovariate(rate) if math.isfinite(rate) else 0.0
-        start = time.perf_counter()
-        results = await asyncio.gather(*(arrive(p, d) for p, d in zip(prompts, delays)))
-        duration = time.perf_counter() - start
+        return await asyncio.gather(*(arrive(p, d) for p, d in zip(prompts, delays)))
+
+
+def _client_process(args: tuple) -> tuple[list[dict], float]:
+    """One client process's share (multiprocessing): its results and the CPU seconds it used."""
+    cpu = time.process_time()
+    results = asyncio.run(_stream_all(*args))
+    return results, time.process_time() - cpu
+
+
+async def bench(base_url: str, model: str, rate: float, prompts: list[list[int]], output_len: int,
+                api_key: str | None = None, seed: int = 0, procs: int = 1) -> dict:
+    """Every prompt at Poisson arrivals of `rate` per second (inf: all at once) -> the metrics of the run.
+
+    procs > 1 spreads the requests over that many client processes (prompt i to process i % procs), each with the
+    arrival times it would have had in one process, so that the client's own CPU (HTTP, SSE parsing: about one
+    core for a few hundred streams) does not pace what it measures. "client_cpu_s" is the client's CPU seconds,
+    all its processes together."""
+    rng = random.Random(seed)
+    delays, at = [], 0.0
+    for _ in prompts:
+        delays.append(at)
+        at += rng.expovariate(rate) if math.isfinite(rate) else 0.0
+    if procs <= 1:
+        cpu = time.process_time()
+        start = time.time()
+        results = await _stream_all(base_url, model, prompts, delays, output_len, api_key, start)
+        client_cpu = time.process_time() - cpu
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(time.sleep, [0.0] * procs))  # the processes are up (spawned, imported) before the clock
+            start = time.time() + 0.2  # every process starts its requests from the same moment
+            shares = [(base_url, model, prompts[i::procs], delays[i::procs], output_len, api_key, start)
+                      for i in range(procs)]
+            parts = await asyncio.get_running_loop().run_in_executor(None, lambda: list(pool.map(_client_process,
+                                                                                                 shares)))
+        results = [None] * len(prompts)
+        for i, (part, _) in enumerate(parts):
+            results[i::procs] = part
+        client_cpu = sum(cpu for _, cpu in parts)
+    duration = max(r["done_at"] for r in results) - start
     done = [r for r in results if "error" not in r]
     output = sum(r["tokens"] for r in done)
     itl = [b - a for r in done for a, b in zip(r["chunks"], r["chunks"][1:])]
@@ -114,11 +158,14 @@ async def bench(base_url: str, model: str, rate: float, prompts: list[list[int]]
             "total_token_throughput": (output + sum(len(p) for p, r in zip(prompts, results) if "error" not in r))
                                       / duration,
             "output_tokens": output, "ttft_ms": percentiles([r["chunks"][0] for r in done]),
-            "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl), "e2e_ms": percentiles([r["e2e"] for r in done])}
+            "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl), "e2e_ms": percentiles([r["e2e"] for r in done]),
+            "client_processes": max(1, procs), "client_cpu_s": client_cpu,
+            # events that reached the client in one read share a timestamp: their gap reads 0.0
+            "itl_zero_fraction": sum(g == 0.0 for g in itl) / len(itl) if itl else None}
 
 
 async def warm_up(base_url: str, model: str, prompts: list[list[int]], output_len: int,
-                  api_key: str | None = None) -> None:
+                  api_key: str | None = None, procs: int = 1) -> None:
     """Untimed, before the measured rates: the first prompt alone (a batch of one, as a low rate starts), then every
     prompt at once (the saturation's batch), each asking for output_len tokens as the measured runs do. A server
     compiles its kernels on their first call for each shape; here those calls are made before any clock runs. Give
@@ -126,7 +173,7 @@ async def warm_up(base_url: str, model: str, prompts: list[list[int]], output_le
     measured runs find them in the prefix cache. A warm-up request that fails is an error: the measured runs would
     fail the same way."""
     for batch in (prompts[:1], prompts):
-        result = await bench(base_url, model, math.inf, batch, output_len, api_key)
+        result = await bench(base_url, model, math.inf, batch, output_len, api_key, procs=procs)
         if result["failed"]:
             raise RuntimeError(f"warm-up: {result['failed']} of {len(batch)} requests failed: {result['errors']}")
 
@@ -149,19 +196,22 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="spread the requests over this many client processes (default: %(default)s)")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="an untimed warm-up before the first rate (default: on)")
     args = parser.parse_args()
-    for name in ("num_prompts", "input_len", "output_len"):
+    for name in ("num_prompts", "input_len", "output_len", "client_processes"):
         if getattr(args, name) < 1:
             parser.error(f"argument --{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
     prompts = random_prompts(args.num_prompts, args.input_len, args.seed)
     if args.warmup:
         print(f"warm-up: 1, then {len(prompts)} requests ...", file=sys.stderr, flush=True)
         warm = random_prompts(args.num_prompts, args.input_len, args.seed + 1)  # other ids, the same lengths
-        asyncio.run(warm_up(args.base_url, args.model, warm, args.output_len, args.api_key))
+        asyncio.run(warm_up(args.base_url, args.model, warm, args.output_len, args.api_key, args.client_processes))
     for rate in args.request_rates:
-        result = asyncio.run(bench(args.base_url, args.model, rate, prompts, args.output_len, args.api_key, args.seed))
+        result = asyncio.run(bench(args.base_url, args.model, rate, prompts, args.output_len, args.api_key, args.seed,
+                                   args.client_processes))
         print(json.dumps(result), flush=True)
 
 

@@ -58,6 +58,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from shared import ContextLengthExceededError, SamplingParams, check_messages
 
 from .async_llm import AsyncLLM, EngineDeadError, EngineShutDown, EngineStartError, EngineStepError
+from .engine_core import threads_cpu_s
 from .model import KV_CACHE_DTYPES
 
 # OpenAI fields this server reads (each checked) or knows to be harmless (user: an end-user id, for their logs).
@@ -152,7 +153,8 @@ class Server:
     async def stats(self) -> dict:
         # step26: the core's state, which it sends between two of its steps when asked, and this process's counters
         core = await self.engine.get_stats()
-        return {**self.engine.snapshot(), **core, "process_cpu_s": time.process_time()}  # this process's CPU time
+        return {**self.engine.snapshot(), **core, "process_cpu_s": time.process_time(),  # this process's CPU time
+                "front_end_threads_cpu_s": threads_cpu_s()}  # ... by thread: the event loop, the core's reader
 
     def room(self, prompt_len: int) -> int:
         """The tokens a reply may take after a prompt of prompt_len tokens: the rest of the model's context, or of the
