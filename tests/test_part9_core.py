@@ -300,3 +300,24 @@ def test_the_core_reports_its_cpu_by_thread_and_its_host_threads(engine, monkeyp
     assert host_threads_for(torch.device("cpu")) is None
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert host_threads_for(torch.device("cuda", 0)) is None
+
+
+@pytest.mark.gpu
+def test_gpu_core_runs_one_host_thread_and_streams_what_offline_makes(monkeypatch):
+    """On the GPU, with OMP_NUM_THREADS unset, the core takes one torch host thread, and its streams still equal the
+    offline engine's tokens."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    options = dict(device="cuda", max_kv_tokens=8192, max_num_seqs=8)
+    engine = step_module(CORE, "async_llm").AsyncLLM("random:qwen3-0.6b", **options)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        streamed = [asyncio.run(_collect(engine, p, params))[-1].outputs[0].token_ids for p in PROMPTS]
+        state = asyncio.run(engine.get_stats())
+    finally:
+        engine.shutdown()
+    assert state["torch_threads"] == 1
+    offline = load_engine(CORE).LLM("random:qwen3-0.6b", **options)
+    try:
+        assert streamed == [o.outputs[0].token_ids for o in offline.generate(PROMPTS, params)]
+    finally:
+        offline.shutdown()
