@@ -354,6 +354,18 @@ MUTATIONS = [
         "                    if not self.process.is_alive():\n",
         "                    if False:\n",
         ("tests/test_part9_core.py::test_sigkill_of_the_core_ends_open_streams",)),
+    Mutation(
+        "step27-no-rollback", "step27 keeps the KV of rejected drafts: counted as computed, their blocks kept",
+        "steps/step27/engine.py",
+        "            seq.num_computed_tokens += len(tokens)  # the newest token and the accepted drafts (len(tokens) - 1)",
+        "            seq.num_computed_tokens += len(ds) + 1",
+        ("tests/test_part9_spec.py::test_kv_blocks_balance_after_every_step_of_rejections_preemption_and_abort",)),
+    Mutation(
+        "step27-accept-on-mismatch", "step27's greedy verdict accepts a draft the target's argmax disagrees with",
+        "steps/step27/speculative.py",
+        "    accept = argmax == draft_t\n",
+        "    accept = torch.ones_like(draft_t, dtype=torch.bool)\n",
+        ("tests/test_part9_spec.py::test_greedy_outputs_equal_step26_with_drafts_accepted",)),
     # GPU: the CUDA-graph path fills PENDING places in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a PENDING input id instead of the "

@@ -120,6 +120,7 @@ step("step23", 8, adds=("async_engine",))
 step("step24", 8, adds=("openai_server",))
 step("step25", 9, adds=("overlap_scheduling",))
 step("step26", 9, adds=("engine_core_process",))
+step("step27", 9, adds=("speculative_decoding",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}

@@ -111,7 +111,8 @@ def test_the_import_check_sees_names_loaded_at_run_time(tmp_path):
 # one, and the imports (at the top of a file or inside a function) form no circle. A new module gets its place here.
 LAYERS = [
     {"kernels.*"},  # the Triton kernels (steps 15 on)
-    {"sequence", "detokenizer", "scheduler", "block_manager", "sampler", "timers", "cuda_graphs", "parallel"},
+    {"sequence", "detokenizer", "scheduler", "block_manager", "sampler", "timers", "cuda_graphs", "parallel",
+     "speculative"},  # step27: the proposer and the verdict on its drafts
     {"model"},
     {"model_runner", "attention"},  # the runner and the attention backends that build its metadata
     {"worker"},  # a rank's build and the tensor-parallel worker processes (step22 on)

@@ -1,0 +1,608 @@
+"""The offline engine, LLM: requests in, RequestOutputs out. add_request makes a Sequence; each step() asks the
+scheduler which sequences run and with how many tokens, has the model runner run one forward for all of them and
+sample, then grows the sequences, finishes those that are done (their blocks freed) and returns the outputs.
+generate() and chat() are add_request plus step() until every request is done. engine.py only wires the parts:
+
+    sequence.py       one request's state (status, tokens, num_computed_tokens, block table)
+    scheduler.py      which sequences run in the next step, and how many tokens each
+    block_manager.py  which cache blocks hold which tokens (paged KV, prefix caching)
+    model_runner.py   sequences -> tensors, the forward, the sampler; owns the model and the KV cache
+    attention.py      how attention runs, one object per backend: its metadata per step, its math per layer
+    worker.py         one rank's build (its share of the model, the backend, the KV cache, the CUDA graphs) and
+                      the tensor-parallel worker processes
+    parallel.py       how the model is cut over N ranks, and the collectives that join them
+
+Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
+the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto" or "int8"), enforce_eager (False:
+decode steps replay CUDA graphs where they can; llm.cuda_graphs says whether they do and why not) and
+tensor_parallel_size (default 1: no worker, no collective).
+
+Added by step, oldest first (each step's outputs equal the one before it, with the option that turns it off):
+- step18: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
+  (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs flash
+  decoding (kernels/decode.py). The scheduler has no phases: every running request catches up on its tokens
+  without KV under one token budget, the least behind first (a decode is a request one token behind).
+- step19: the layer's small operators run as three fused kernels (kernels/fused.py).
+- step20: kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
+  (model.py's quantize_kv and dequantize_kv; the kernels dequantise each tile they load): about 1.9x the tokens in
+  the same memory, for a small rounding error in every key and value. "auto" keeps the model's dtype.
+- step21: CUDA graphs. The decode forward is recorded once per batch-size bucket (1, 2, 4, 8, then every 8) and
+  replayed (cuda_graphs.py): one graph launch for the host instead of a kernel launch per operator. The batch is
+  padded to its bucket, its inputs copied into static buffers from pinned staging; padding rows write to a scratch
+  block. Steps with prompt chunks run eagerly. The host work around the forward is cut too: one wait for the GPU
+  per step, to read the sampled tokens (model_runner.py's read_back), and sequences compare by identity.
+- step22: tensor parallelism. This process is rank 0 (scheduler, block manager, sampler); N - 1 worker processes
+  (worker.py, started with the spawn method) hold their share of every layer and of the KV cache. Each step rank 0
+  broadcasts the step's inputs and every rank runs the same forward, joined by two all-reduces per layer (NCCL
+  between GPUs, gloo between CPU processes); the logits are gathered on rank 0, which samples. shutdown(), the
+  engine going away and this process exiting all stop the workers; a worker that dies is an error at the next step.
+- step23: what a streaming engine needs (async_llm.py's AsyncLLM runs this LLM in a thread of its own):
+  step(partial=True) also returns the requests that got a token and go on, their text held back by the longest stop
+  string's length minus one, so that a later stop string never takes back text already sent; add_request takes the
+  caller's request_id; abort_request returns what it dropped.
+- step25: overlap scheduling, async_scheduling=True (vLLM's name; None, the default: on with CUDA, off elsewhere).
+  One step schedules step N + 1 and launches its forward and its sampling before it reads step N's sampled tokens
+  (_step_async): the device runs step N + 1 while the host reads step N, finishes what step N finished, builds the
+  outputs, and schedules and prepares the next step. A token the host has not read is PENDING in its sequence
+  (sequence.py); the device keeps it (model_runner.py's last_token) and the next step's inputs read it there. Finish
+  is known one step late: a request that step N finishes was already scheduled into step N + 1, whose token for it
+  is thrown away (stats["discarded_tokens"]), never emitted. The CPU runs the same order on its one stream: nothing
+  overlaps there, but the outputs are checked. async_scheduling=False runs step24's order.
+- step27: speculative decoding with n-gram drafts, speculative_config={"method": "ngram", "num_speculative_tokens":
+  k, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (vLLM's option; speculative.py). Before a step's forward each
+  decoding request may get up to k drafts, looked up in its own tokens (_propose); it then runs as a chunk of k + 1
+  tokens in the same mixed forward, whose logits at every one of those places the model returns (logits_rows). The
+  drafts are checked so that the outputs are exactly the target's (_verify: greedy, accept while equal; sampling,
+  the rejection rule), 1 to k + 1 tokens are emitted, and the rejected drafts' KV is rolled back: only the accepted
+  tokens count as computed, and the blocks past them go back to the pool (block_manager.trim). A step with drafts
+  runs eagerly (the graphs hold one token per request) and the steps are synchronous (the next step's drafts need
+  this step's tokens): speculation sets async_scheduling off. Not with tensor parallelism in this step.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from types import SimpleNamespace
+
+import torch
+
+from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams, Tokenizer, check_conversations,
+                    check_engine_options, check_length, normalize_prompts, normalize_sampling_params,
+                    resolve_device_dtype, resolve_model)
+
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .model import KV_CACHE_DTYPES, ModelConfig, check_kv_cache_dtype  # noqa: F401
+from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks, to_device  # noqa: F401
+from .parallel import TensorParallel, WorkerError, check_tensor_parallel_size, rank_device
+from .sampler import request_seed
+from .scheduler import Scheduler
+from .sequence import Finish, Sequence, SequenceStatus
+from .speculative import NgramProposer, SpeculativeConfig, accepted_runs, verify
+from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
+
+RequestStatus = SequenceStatus  # the name steps 05-13 exported; same states
+
+
+def check_enforce_eager(enforce_eager) -> bool:
+    """enforce_eager must be a bool (vLLM's option): True runs every step eagerly, False replays CUDA graphs."""
+    if not isinstance(enforce_eager, bool):
+        raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
+    return enforce_eager
+
+
+def choose_async_scheduling(asked, device: torch.device) -> bool:
+    """step25: async_scheduling, True, False or None (on with CUDA, off elsewhere). With tensor parallelism too: rank
+    0 shares each step's sampled tokens with the workers on the devices (model_runner.py's share_tokens)."""
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError(f"async_scheduling must be True, False or None, got {asked!r}")
+    return device.type == "cuda" if asked is None else asked
+
+
+def choose_attention_backend(asked: str | None, device: torch.device) -> str:
+    """"triton" (the kernels for prefill chunks and decodes) or "torch" (step14_7's loop). Default: triton on
+    CUDA when Triton is installed, torch elsewhere. On a CPU the kernel runs only in Triton's interpreter."""
+    import importlib.util
+    import os
+
+    has_triton = importlib.util.find_spec("triton") is not None
+    if asked is None:
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    if asked not in ("triton", "torch"):
+        raise ValueError(f"attention_backend must be 'triton', 'torch' or None, got {asked!r}")
+    if asked == "triton" and not has_triton:
+        raise ValueError("attention_backend='triton': Triton is not installed")
+    if asked == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' on the CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1")
+    return asked
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, device=None, dtype=None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512, max_kv_tokens: int | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
+                 attention_backend: str | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1, async_scheduling: bool | None = None,
+                 speculative_config: dict | None = None):
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)  # "auto" or "int8", checked before anything loads
+        # step27: n-gram drafts; the steps are then synchronous, on one rank
+        self.speculative = SpeculativeConfig.parse(speculative_config)
+        if self.speculative is not None:
+            if async_scheduling:
+                raise ValueError("speculative_config needs async_scheduling off: a step's drafts are looked up in "
+                                 "the tokens of the step before, read first")
+            if tensor_parallel_size != 1:
+                raise ValueError("speculative_config: not with tensor_parallel_size > 1 in this step")
+            async_scheduling = False
+        self.proposer = NgramProposer(self.speculative) if self.speculative is not None else None
+        self.enforce_eager = check_enforce_eager(enforce_eager)
+        check_tensor_parallel_size(tensor_parallel_size)  # its type now; how it splits the model once it is found
+        self.device, self.dtype = resolve_device_dtype(device, dtype)
+        self.async_scheduling = choose_async_scheduling(async_scheduling, self.device)
+        self.in_flight: SimpleNamespace | None = None  # step25: the step launched and not read yet
+        if max_kv_tokens is None and self.device.type == "cpu":
+            max_kv_tokens = CPU_DEFAULT_KV_TOKENS  # the CPU knob; on CUDA, None = size the pool from free memory
+        check_engine_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             gpu_memory_utilization=gpu_memory_utilization, max_kv_tokens=max_kv_tokens,
+                             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                             may_be_none=("max_kv_tokens",))
+        self.model_name = str(model)
+        model_dir = resolve_model(model)
+        # the split must fit the model's heads: checked on its config, before any process starts
+        config = ModelConfig.from_json(model_dir / "config.json")
+        self.tensor_parallel_size = check_tensor_parallel_size(tensor_parallel_size, config, self.device)
+        self.tokenizer = Tokenizer(model_dir)
+        options = dict(dtype=self.dtype, attention_backend=choose_attention_backend(attention_backend, self.device),
+                       kv_cache_dtype=kv_cache_dtype, enforce_eager=self.enforce_eager, max_num_seqs=max_num_seqs,
+                       max_kv_tokens=max_kv_tokens, block_size=block_size,
+                       warmup_tokens=min(max_num_batched_tokens, config.max_position_embeddings),
+                       gpu_memory_utilization=gpu_memory_utilization)
+        self.is_shut_down = False  # shutdown() sets it: nothing runs after
+        self.workers: Workers | None = None
+        if self.tensor_parallel_size == 1:
+            self.tp = TensorParallel()
+        else:  # the workers start, then every rank builds its share; rank 0 is this process
+            self.device = rank_device(self.device, 0)
+            self.workers, self.tp = start_tensor_parallel(self.tensor_parallel_size, self.device, model_dir, options)
+        self._finalizer = weakref.finalize(self, stop_tensor_parallel, self.workers, self.tp) if self.workers else None
+        try:
+            self.runner, self.memory, self.cuda_graphs = build_rank(model_dir, self.device, self.tp, **options)
+            if self.workers is not None:
+                self.workers.wait_ready()
+        except BaseException as e:  # a worker's own error says more than the closed connection rank 0 saw
+            failure = self.workers.failure(wait_s=5) if self.workers and not isinstance(e, WorkerError) else None
+            self.shutdown()
+            if failure:
+                raise WorkerError(failure) from e
+            raise
+        self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
+        # step25: with workers, rank 0 sends them each step's sampled tokens on the devices (their PENDING inputs)
+        self.runner.share_tokens = self.async_scheduling and self.workers is not None
+        self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers
+        # step25: tokens computed for requests that had finished (thrown away); launches that began while the step
+        # before still ran on the device (CUDA: its results' event not reached yet)
+        self.stats.update(discarded_tokens=0, overlapped_launches=0)
+        # step27: drafts proposed and accepted; requests verified (a chunk of drafts each) and the tokens they
+        # emitted; runs a stop cut short; steps with drafts; steps that drafted nothing because of
+        # disable_by_batch_size; every emitted token
+        self.stats.update(spec_proposed=0, spec_accepted=0, spec_verified=0, spec_emitted=0, spec_cut=0,
+                          spec_steps=0, spec_disabled_steps=0, emitted_tokens=0)
+        self.max_model_len = self.model.config.max_position_embeddings
+        num_blocks = self.memory["num_blocks"]
+        if self.cuda_graphs["enabled"]:
+            sizes = self.cuda_graphs["sizes"]
+            graphs = (f"CUDA graphs: {len(sizes)} captured (decode batches of {', '.join(map(str, sizes[:5]))}"
+                      f"{' .. ' + str(sizes[-1]) if len(sizes) > 5 else ''}), replayed for steps of decodes")
+        else:
+            graphs = f"CUDA graphs: off, eager ({self.cuda_graphs['reason']})"
+        c = self.model.config
+        split = (f"tensor parallel: {self.tp.size} ranks ({self.tp.backend}), each {c.num_heads} heads / "
+                 f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
+                 if self.tp.size > 1 else "tensor parallel: off (1 rank)")
+        kv = self.memory["kv_dtype"] + (" + an fp32 scale per token and KV head" if kv_cache_dtype == "int8" else "")
+        scheduling = ("scheduling: async (step N + 1 launched before step N's tokens are read"
+                      f"{'; one stream on the CPU: the order, no overlap' if self.device.type != 'cuda' else ''})"
+                      if self.async_scheduling else
+                      "scheduling: sync (each step's tokens read before the next step is scheduled)")
+        spec = self.speculative
+        speculation = (f"speculative decoding: ngram, up to {spec.num_speculative_tokens} drafts "
+                       f"(lookup {spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens"
+                       f"{f', off from {spec.disable_by_batch_size} running requests' if spec.disable_by_batch_size else ''}"
+                       "), steps with drafts eager" if spec is not None else "speculative decoding: off")
+        self.backend = (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), continuous batching + "
+                        f"chunked prefill + preemption, paged KV ({num_blocks} blocks of {block_size}, KV dtype {kv}, "
+                        f"sized by {self.memory['sized_by']}), "
+                        f"prefix caching {'on' if enable_prefix_caching else 'off'}, "
+                        f"attention: {self.model.attention_backend.name}, elementwise: "
+                        f"{'fused kernels' if self.model.ops.name == 'triton' else 'torch operators'}, {graphs}, "
+                        f"{split}, {scheduling}, {speculation}")
+        self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
+        # a request's released blocks free its block-table row in the runner
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
+                                          on_release=self.runner.block_tables.release,
+                                          on_trim=self.runner.block_tables.trim)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.block_manager)
+        self.next_request_id = 0
+        self.finished_outputs: list[RequestOutput] = []  # finished, not handed out yet (see generate)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the group, and free the KV cache and the CUDA graphs' memory
+        now (runner.release): the engine serves nothing after this. Idempotent. The workers are also stopped when
+        the engine is garbage-collected and when the process exits."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self.is_shut_down = True
+        self.in_flight = None  # step25: its results are not read (runner.release waits for the device first)
+        self.kv_cache = None  # before the runner hands the memory back: no reference to the cache may be left
+        if getattr(self, "runner", None) is not None:
+            self.runner.release()
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("LLM: this engine was shut down (shutdown() freed its KV cache): make a new LLM")
+
+    def __del__(self):
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompts = normalize_prompts(prompts, self.tokenizer, self.model.config.vocab_size)
+        params = normalize_sampling_params(sampling_params, len(prompts), SamplingParams(temperature=0))
+        for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
+            check_length(i, len(ids), sp, self.max_model_len)
+            self._check_fits_kv_budget(i, len(ids), sp)
+        # Everything is checked above, before anything is queued.
+        request_ids = [self._add(text, ids, sp) for (text, ids), sp in zip(prompts, params)]
+        mine: dict[str, RequestOutput | None] = dict.fromkeys(request_ids)
+        try:
+            while None in mine.values():  # until all of ours have finished
+                if not self.has_unfinished_requests():
+                    raise RuntimeError("generate(): the scheduler lost a request")  # a bug, never a silent hang
+                for out in self._step():
+                    if out.request_id in mine:
+                        mine[out.request_id] = out
+                    else:  # a request queued with add_request(): a later step() hands it out
+                        self.finished_outputs.append(out)
+        except BaseException:  # the caller gets the error, not our outputs: drop what is left of ours
+            for request_id, out in mine.items():
+                if out is None:
+                    self.abort_request(request_id)
+            raise
+        return list(mine.values())
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue one request (a string or token ids); it joins the running batch at a coming step(). step23:
+        request_id names it (any string no queued or running request has; None: the engine numbers it)."""
+        text, ids, sp = self.check_request(prompt, sampling_params)
+        return self._add(text, ids, sp, request_id)
+
+    def check_request(self, prompt, sampling_params: SamplingParams | None = None):
+        """One request's checks, before anything is queued: -> (its text, its token ids, its SamplingParams).
+        ValueError names what is wrong. Reads no engine state that a step changes (safe beside a running step)."""
+        (text, ids), = normalize_prompts([prompt], self.tokenizer, self.model.config.vocab_size, one=True)
+        sp = normalize_sampling_params(sampling_params, 1, SamplingParams(temperature=0))[0]
+        check_length(0, len(ids), sp, self.max_model_len)
+        self._check_fits_kv_budget(0, len(ids), sp)
+        return text, ids, sp
+
+    def _check_fits_kv_budget(self, index: int, prompt_len: int, sp: SamplingParams) -> None:
+        """A request that could never fit in the KV pool, even alone, is refused now instead of waiting forever."""
+        bm = self.block_manager
+        if bm.blocks_for(prompt_len + sp.max_tokens) > bm.num_blocks:
+            raise ValueError(f"prompts[{index}]: prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) = "
+                             f"{prompt_len + sp.max_tokens} exceeds max_kv_tokens ({bm.num_blocks * bm.block_size} "
+                             f"= {bm.num_blocks} blocks of {bm.block_size}): it could never fit in the KV pool")
+
+    def _add(self, text: str | None, ids: list[int], sp: SamplingParams, request_id: str | None = None) -> str:
+        self._check_running()
+        if request_id is None:
+            request_id = str(self.next_request_id)
+            self.next_request_id += 1
+        elif request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already queued or running")
+        self.scheduler.add(Sequence(request_id, text, ids, sp, request_seed(sp),
+                                   RequestMetrics(time.perf_counter()), logprobs=[] if sp.logprobs is not None else None,
+                                   detokenizer=IncrementalDetokenizer(self.tokenizer)))
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self.in_flight is not None  # step25: a step's results to read
+
+    def abort_request(self, request_id: str) -> Sequence | None:
+        """Drop a waiting or running request: it leaves the queues, releases its KV memory and is never returned.
+        -> the dropped sequence (None: no such request is queued or running)."""
+        r = self.scheduler.requests.get(request_id)
+        if r is not None:
+            self.scheduler.finish(r)
+        return r
+
+    def step(self, partial: bool = False) -> list[RequestOutput]:
+        """One iteration: every running request computes the tokens the scheduler gave it (one for a decode, a
+        chunk of its prompt otherwise), all in one forward within the token budget. Returns the requests that finished in this iteration,
+        and any that finished earlier without being handed out (while another caller's generate() ran).
+        step23: partial=True also returns each request that got a token and goes on (finished=False, its text so
+        far). An idle engine returns []."""
+        self._check_running()
+        handed_out, self.finished_outputs = self.finished_outputs, []
+        return handed_out + self._step(partial)
+
+    def _step(self, partial: bool = False) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_async(partial)
+        timer = self.timers.phase
+        with timer("schedule"):
+            work = self.scheduler.schedule()  # [(sequence, tokens to compute)]: decodes and chunks alike
+        scheduled = [seq for seq, _ in work]
+        if not scheduled:  # idle: nothing waits or runs
+            return []
+        self.timers.steps += 1
+        with timer("schedule"):
+            decodes = sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
+            self.stats["decode_steps"] += bool(decodes)
+            self.stats["decode_rows"] += decodes
+            self.stats["prefill_chunks"] += len(work) - decodes
+        spec = self._propose(work) if self.speculative is not None else {}  # step27: {work index: drafts}
+        if spec:
+            work = [(seq, n + len(spec[i])) if i in spec else (seq, n) for i, (seq, n) in enumerate(work)]
+        try:
+            logits_rows, first_row = None, list(range(len(work)))  # the logits' first row of each sequence
+            if spec:  # step27: a drafting sequence's logits at its newest token and at every draft; one row else
+                logits_rows, first_row, start = [], [], 0
+                for i, (seq, n) in enumerate(work):
+                    first_row.append(len(logits_rows))
+                    logits_rows += range(start, start + n) if i in spec else [start + n - 1]
+                    start += n
+            logits = self.runner.execute(work, logits_rows=logits_rows)  # in the order of the work
+            with timer("schedule"):
+                # a drafting sequence counts its tokens as computed after the verdict (_verify), not before
+                self.scheduler.postprocess([(seq, n) for i, (seq, n) in enumerate(work) if i not in spec])
+                # Decodes get a token; a chunk gets one only if it was its prompt's last (its logits are the next
+                # token's), otherwise its row is dropped.
+                rows = [i for i, seq in enumerate(scheduled) if i not in spec and seq.num_computed_tokens == seq.num_tokens]
+            if rows:  # one sampler call for the whole batch
+                with timer("sample"):
+                    sampled = [scheduled[i] for i in rows]
+                    if len(rows) < len(logits):  # the index goes to the device without a wait (pinned)
+                        logits_plain = logits[to_device(torch.tensor([first_row[i] for i in rows]), logits.device)]
+                    else:
+                        logits_plain = logits
+                self._append_tokens(sampled, logits_plain)
+            else:
+                sampled = []
+            if spec:
+                self._verify(spec, scheduled, logits, first_row)
+        except BaseException:  # a failure mid-step leaves these sequences half-updated: drop them, then re-raise
+            for seq in scheduled:
+                self.abort_request(seq.request_id)
+            raise
+        with timer("schedule"):
+            finished = [seq for seq in scheduled if seq.finish is not None]
+            for seq in finished:
+                self.scheduler.finish(seq)  # its blocks are released: free again, or evictable if cached
+        with timer("detokenize"):
+            outputs = [seq.to_output() for seq in finished]
+            if partial:  # the requests that got a token (or several: step27) and go on
+                outputs += [seq.partial_output() for seq in sampled + [scheduled[i] for i in spec]
+                            if seq.finish is None]
+            return outputs
+
+    # ---- step27: speculative decoding -------------------------------------------------------------------------
+    def _propose(self, work) -> dict[int, list[int]]:
+        """Drafts for the step's decoding requests: each gets up to k, within what is left of the token budget,
+        what max_tokens leaves (a step emits at most drafts + 1) and the free blocks (no one is preempted for a
+        guess). The drafts join the sequence's token_ids for this step only, and blocks are taken for their KV.
+        -> {index in work: drafts}."""
+        cfg, bm = self.speculative, self.block_manager
+        if cfg.disable_by_batch_size is not None and len(self.scheduler.running) >= cfg.disable_by_batch_size:
+            self.stats["spec_disabled_steps"] += 1
+            return {}
+        budget = self.scheduler.max_num_batched_tokens - sum(n for _, n in work)
+        spec = {}
+        with self.timers.phase("schedule"):  # proposing is host work of the schedule
+            for i, (seq, n) in enumerate(work):
+                if budget <= 0:
+                    break
+                if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:  # a prompt chunk: no drafts
+                    continue
+                k = min(cfg.num_speculative_tokens, budget, seq.params.max_tokens - len(seq.output_ids) - 1)
+                drafts = self.proposer.propose(seq.token_ids, k) if k > 0 else []
+                while drafts and not bm.can_allocate(seq, seq.num_tokens + len(drafts)):
+                    drafts.pop()
+                if not drafts:
+                    continue
+                bm.allocate(seq, seq.num_tokens + len(drafts))
+                seq.token_ids.extend(drafts)  # taken out again by _verify
+                spec[i] = drafts
+                budget -= len(drafts)
+                self.stats["spec_proposed"] += len(drafts)
+        if spec:
+            self.stats["spec_steps"] += 1
+        return spec
+
+    def _verify(self, spec: dict[int, list[int]], scheduled: list[Sequence], logits: torch.Tensor,
+                first_row: list[int]) -> None:
+        """The target's verdict on the drafts (speculative.verify, on the device; one wait to read it), then per
+        request: the drafts leave token_ids, the accepted ones and the target's token are recorded one by one
+        through the stop checks (a stop inside the run ends it there), the newest token and the accepted drafts
+        count as computed, and the blocks past the request's tokens go back to the pool."""
+        index = sorted(spec)
+        seqs, drafts = [scheduled[i] for i in index], [spec[i] for i in index]
+        with self.timers.phase("sample"):
+            flat = [first_row[i] + j for i in index for j in range(len(spec[i]) + 1)]
+            rows = logits[to_device(torch.tensor(flat), logits.device)] if len(flat) < len(logits) else logits
+            positions = [len(seq.output_ids) for seq in seqs]  # the output index of each request's first draft
+            accept, target, draft_lp, target_lp, log_probs = verify(rows, seqs, drafts, positions)
+            asked: dict[int, list[int]] = {}  # logprobs=n: the top n of every row of those requests
+            row = 0
+            for seq, ds in zip(seqs, drafts):
+                if seq.params.logprobs is not None:
+                    asked.setdefault(seq.params.logprobs, []).extend(range(row, row + len(ds) + 1))
+                row += len(ds) + 1
+            tops = []
+            for n, rs in asked.items():
+                picked = log_probs[to_device(torch.tensor(rs), log_probs.device)]
+                values, ids = picked.topk(n, dim=-1) if n > 0 else (picked[:, :0], picked[:, :0].long())
+                tops += [values, ids]
+            accept, target, draft_lp, target_lp, *top_lists = self.runner.read_back(
+                self.runner.start_read_back(accept, target, draft_lp, target_lp, *tops))
+            top_of: dict[int, dict] = {}
+            for k, rs in enumerate(asked.values()):
+                for r, values, ids in zip(rs, top_lists[2 * k], top_lists[2 * k + 1]):
+                    top_of[r] = dict(zip(ids, values))
+        runs = accepted_runs(accept, target, draft_lp, target_lp, drafts)
+        for seq, ds, (tokens, _, _) in zip(seqs, drafts, runs):
+            del seq.token_ids[len(seq.token_ids) - len(ds):]  # the drafts leave; the accepted ones come back below
+            seq.num_computed_tokens += len(tokens)  # the newest token and the accepted drafts (len(tokens) - 1)
+            self.stats["spec_verified"] += 1
+            self.stats["spec_accepted"] += len(tokens) - 1
+            self.stats["spec_emitted"] += len(tokens)
+        recorded = [0] * len(seqs)
+        for j in range(max(len(t) for t, _, _ in runs)):  # the j-th token of every run, through the stop checks
+            live = [i for i, (seq, run) in enumerate(zip(seqs, runs)) if len(run[0]) > j and seq.finish is None]
+            if not live:
+                break
+            self._record_tokens([seqs[i] for i in live], [None] * len(live), [runs[i][0][j] for i in live],
+                                [runs[i][1][j] for i in live],
+                                [dict(top_of[runs[i][2][j]]) if runs[i][2][j] in top_of else None for i in live])
+            for i in live:
+                recorded[i] += 1
+        self.stats["spec_cut"] += sum(n < len(run[0]) for n, run in zip(recorded, runs))  # a stop inside a run
+        with self.timers.phase("schedule"):
+            for seq in seqs:
+                if seq.finish is None:
+                    self.block_manager.cache_full_blocks(seq)  # the drafts are gone: accepted tokens only
+                    self.block_manager.trim(seq, seq.num_tokens)  # the blocks taken for rejected drafts
+
+    def chat(self, conversations, sampling_params=None) -> list[RequestOutput]:
+        prompts = [self.tokenizer.apply_chat_template(c) for c in check_conversations(conversations)]
+        return self.generate(prompts, sampling_params)
+
+    def _check_stop(self, r: Sequence, last: int, num_outputs: int) -> Finish | None:
+        """-> a Finish once the request must end, else None. Text grows through the request's detokenizer, and
+        stop strings are looked for only where new text could complete one: O(1) per token, not O(n).
+        step25: last is its newest token the host knows, its num_outputs-th (a PENDING place may follow it)."""
+        sp = r.params
+        if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
+            return Finish("stop", None, r.detokenizer.final_text())  # the stop token is not in the text
+        if last in sp.stop_token_ids:
+            return Finish("stop", last, r.detokenizer.final_text())
+        new = r.detokenizer.add(last)
+        if new and sp.stop:
+            text = r.detokenizer.text
+            # A stop string that ends in the new text starts at most len(stop) - 1 characters before it.
+            window_start = max(0, len(text) - len(new) - max(len(s) for s in sp.stop) + 1)
+            window = text[window_start:]
+            hits = [(window.find(s), s) for s in sp.stop if s in window]
+            if hits:
+                cut, stop = min(hits)  # the earliest stop string; the text ends just before it
+                return Finish("stop", stop, text[:window_start + cut])
+        if num_outputs >= sp.max_tokens:
+            return Finish("length", None, r.detokenizer.final_text())
+        return None
+
+    def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for each sequence from its row of logits [B, vocab] in one sampler call (the model
+        runner's), record them, check which sequences must stop."""
+        next_ids, chosen, tops = self.runner.sample(seqs, logits)  # host lists: the step's one wait for the GPU
+        self._record_tokens(seqs, [None] * len(seqs), next_ids, chosen, tops)
+
+    def _record_tokens(self, seqs: list[Sequence], places: list[int | None], next_ids, chosen, tops) -> None:
+        """Record each sequence's new token, check which sequences must stop. step25: places[i] is the index in
+        output_ids of the PENDING place the token fills (async), or None: the token is appended (sync). A sequence
+        that stops is cut after its last token: a PENDING place behind it is dropped."""
+        with self.timers.phase("sample"):
+            now = time.perf_counter()
+            for i, (seq, place, top, next_id, logprob) in enumerate(zip(seqs, places, tops, next_ids, chosen)):
+                seq.cumulative_logprob += logprob
+                if seq.logprobs is not None:  # the n most likely tokens and the chosen one: {token_id: logprob}
+                    top[next_id] = logprob
+                    seq.logprobs.append(top)
+                if place is None:
+                    seq.append_token(next_id)
+                    places[i] = len(seq.output_ids) - 1
+                else:
+                    seq.replace_pending(place, next_id)
+                seq.metrics.token_times.append(now)
+                seq.metrics.first_token_time = seq.metrics.first_token_time or now
+            self.stats["emitted_tokens"] += len(seqs)
+        with self.timers.phase("detokenize"):
+            for seq, place, next_id in zip(seqs, places, next_ids):
+                seq.finish = self._check_stop(seq, next_id, place + 1)
+                if seq.finish is not None:
+                    seq.cut_after(place)
+                    seq.metrics.finished_time = now
+
+    # ---- step25: the overlapped loop ------------------------------------------------------------------------
+    def _step_async(self, partial: bool) -> list[RequestOutput]:
+        """One step of the overlapped loop: (1) schedule step N + 1 and launch its forward and its sampling, reading
+        nothing back; (2) only then read step N's tokens and finish what they finish (_read_step); (3) count step
+        N + 1's tokens as computed, for the requests still running. The device runs step N + 1 during (2), (3) and
+        the next call's (1). A call with nothing to schedule still reads the step in flight."""
+        with self.timers.phase("schedule"):
+            work = self.scheduler.schedule()  # sees step N's tokens as PENDING places: one more token each
+        launched = self._launch(work) if work else None
+        step_n, self.in_flight = self.in_flight, launched
+        outputs = self._read_step(step_n, partial) if step_n is not None else []
+        if work:
+            with self.timers.phase("schedule"):  # a request step N finished or that was aborted is gone already
+                self.scheduler.postprocess([(seq, n) for seq, n in work if seq.status is SequenceStatus.RUNNING])
+        return outputs
+
+    def _launch(self, work) -> SimpleNamespace | None:
+        """Step N + 1's forward and sampling, queued on the device. Each sequence that samples gets a PENDING place
+        for its token. -> the step in flight: its sampling sequences, their places, its results on their way to the
+        host (None: no sequence samples, every row a chunk before its prompt's end)."""
+        timer = self.timers.phase
+        scheduled = [seq for seq, _ in work]
+        self.timers.steps += 1
+        with timer("schedule"):
+            if self.in_flight is not None and not self.in_flight.done():  # the device still runs step N
+                self.stats["overlapped_launches"] += 1
+            decodes = sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
+            self.stats["decode_steps"] += bool(decodes)
+            self.stats["decode_rows"] += decodes
+            self.stats["prefill_chunks"] += len(work) - decodes
+            # a sequence gets a token if this step reaches its last token (a prompt chunk before the end does not)
+            rows = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n == seq.num_tokens]
+        try:
+            logits = self.runner.execute(work)  # one row per scheduled sequence, in that order
+            if not rows:
+                return None
+            with timer("sample"):
+                sampled = [scheduled[i] for i in rows]
+                if len(rows) < len(scheduled):
+                    logits = logits[to_device(torch.tensor(rows), logits.device)]
+            results = self.runner.launch_sample(sampled, logits, keep_on_device=True)
+            places = [seq.append_pending() for seq in sampled]  # after the draw: its keys count the outputs before
+        except BaseException:  # as in the sync step: these sequences are half-updated, drop them
+            for seq in scheduled:
+                self.abort_request(seq.request_id)
+            raise
+        event = results.copies.event
+        return SimpleNamespace(seqs=sampled, places=places, results=results,
+                               done=lambda: event is None or event.query())
+
+    def _read_step(self, step: SimpleNamespace, partial: bool) -> list[RequestOutput]:
+        """Step N's tokens, read one step late (the wait for the device is here, while step N + 1 is queued behind):
+        each fills its PENDING place, then what finishes is finished. A sequence that finished at the step before
+        (its token here was computed after its end) or was aborted is skipped: the token is thrown away."""
+        try:
+            next_ids, chosen, tops = self.runner.read_sampled(step.results)
+        except BaseException:
+            for seq in step.seqs:
+                self.abort_request(seq.request_id)
+            raise
+        live = [i for i, seq in enumerate(step.seqs) if seq.status is not SequenceStatus.FINISHED]
+        self.stats["discarded_tokens"] += len(step.seqs) - len(live)
+        seqs = [step.seqs[i] for i in live]
+        self._record_tokens(seqs, [step.places[i] for i in live], [next_ids[i] for i in live],
+                            [chosen[i] for i in live], [tops[i] for i in live])
+        with self.timers.phase("schedule"):
+            finished = [seq for seq in seqs if seq.finish is not None]
+            for seq in finished:
+                self.scheduler.finish(seq)  # its blocks are released; its place in step N + 1 is thrown away later
+        with self.timers.phase("detokenize"):
+            outputs = [seq.to_output() for seq in finished]
+            if partial:  # the requests that got a token and go on
+                outputs += [seq.partial_output() for seq in seqs if seq.finish is None]
+            return outputs

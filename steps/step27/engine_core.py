@@ -1,0 +1,339 @@
+"""step26: the engine core in its own process. vLLM V1's split: the front end (async_llm.py's AsyncLLM, and the
+server around it) keeps the tokenizer, the incremental detokenizer, stop strings and the callers' streams; the
+EngineCore, here, keeps the scheduler and the model runner (the offline LLM of engine.py, with step25's overlap,
+and its tensor-parallel workers as its children) and runs nothing but a busy loop:
+
+    pull inputs (adds, aborts) -> one step -> push outputs
+
+Two IO threads sit around the loop so that neither sockets nor (de)serialisation touch it: the input thread reads
+the front end's ZMQ socket, decodes each message (msgpack, msgspec) and puts it in a queue the loop drains between
+steps; the output thread takes what the loop puts in its queue, encodes it and sends it. (Encoding and decoding in
+msgspec release no GIL, but they run while the loop waits for the device, and off its code path.)
+
+The wire: typed messages (msgspec Structs, tagged), never a pickle of an arbitrary object.
+    front end -> core   Add (a checked request: prompt ids and sampling parameters), Abort, GetStats
+    core -> front end   Ready (the core's limits, once it is built), Outputs (a step's Deltas), Stats, Error
+An output is a delta: the token ids (and logprobs) a request got in this step, not a copy of all it has, so a
+message's size does not grow with the output's length. The core checks EOS, stop token ids and max_tokens (no
+text needed); stop strings are the front end's, which decodes the text and aborts the request when one appears.
+The core runs the offline engine with its stop strings removed (_CoreLLM: no text is decoded in this process).
+
+A message that fails to decode is an Error named in the core's log (stderr), and the core serves on. The core
+watches its parent: when the front end dies (its parent pid changes) the core exits, and with it its workers.
+run_engine_core() is the process's entry point (multiprocessing, spawn method).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import msgspec
+import torch
+import zmq
+
+from shared import SamplingParams
+
+from .engine import LLM
+from .sequence import Finish
+
+
+# ---- the messages ---------------------------------------------------------------------------------------------
+class Params(msgspec.Struct, array_like=True):
+    """SamplingParams on the wire (stop strings stay in the front end)."""
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_tokens: int
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    seed: int | None
+    logprobs: int | None
+
+    @classmethod
+    def of(cls, sp: SamplingParams) -> "Params":
+        return cls(sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.max_tokens, list(sp.stop_token_ids or []),
+                   sp.ignore_eos, sp.seed, sp.logprobs)
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              max_tokens=self.max_tokens, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos, seed=self.seed, logprobs=self.logprobs)
+
+
+class Add(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_ids: list[int]
+    params: Params
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+    reply: int = 0  # not 0: the core answers with Stats(reply=...) once the blocks are free
+
+
+class GetStats(msgspec.Struct, tag="get_stats", array_like=True):
+    reply: int
+
+
+class Delta(msgspec.Struct, array_like=True):
+    """What one request got in one step: its new tokens only, and where they start in its output (so the front end
+    takes only what it lacks, and a gap would show)."""
+    request_id: str
+    start: int  # the output index of token_ids[0]
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per new token (top-N and the chosen one)
+    cumulative_logprob: float
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    stop_reason: int | None = None  # the stop token id that ended it
+    error: str | None = None  # the step that served it failed: the request was dropped
+
+
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    deltas: list[Delta]
+
+
+class Stats(msgspec.Struct, tag="stats", array_like=True):
+    reply: int
+    state: dict[str, int | float | dict[str, float]]  # counters, and the time by phase (phase_s)
+
+
+class Error(msgspec.Struct, tag="error", array_like=True):
+    message: str
+    fatal: bool = False  # the core's loop died, or never started: nothing is served any more
+    kind: str = "RuntimeError"  # the exception's type: "ValueError" for a bad model or option (the caller's input)
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+
+ToCore = Add | Abort | GetStats
+FromCore = Outputs | Stats | Error | Ready
+
+
+# ---- the core -------------------------------------------------------------------------------------------------
+class _CoreLLM(LLM):
+    """The offline engine as the core runs it: it stops on EOS, stop token ids and max_tokens, and decodes no text
+    (stop strings and text are the front end's)."""
+
+    def _check_stop(self, r, last: int, num_outputs: int) -> Finish | None:
+        sp = r.params
+        if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
+            return Finish("stop", None, "")
+        if last in sp.stop_token_ids:
+            return Finish("stop", last, "")
+        if num_outputs >= sp.max_tokens:
+            return Finish("length", None, "")
+        return None
+
+
+class EngineCore:
+    """The busy loop over an LLM, fed and drained by queues (the IO threads own the sockets)."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.inputs: queue.SimpleQueue = queue.SimpleQueue()  # decoded messages, from the input thread
+        self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # messages to encode and send, to the output thread
+        self.sent: dict[str, int] = {}  # request_id -> output tokens already sent (a delta starts there)
+        self.stats = {"steps": 0, "failed_steps": 0, "aborted": 0, "bad_messages": 0}
+
+    def state(self) -> dict:
+        llm = self.llm
+        return {"running": len(llm.scheduler.running), "waiting": len(llm.scheduler.waiting),
+                "free_blocks": llm.block_manager.num_free_blocks, "num_blocks": llm.block_manager.num_blocks,
+                "requests": len(self.sent), "core_cpu_s": time.process_time(), "core_pid": os.getpid(),
+                "phase_s": dict(llm.timers.seconds), "threads_cpu_s": threads_cpu_s(),
+                "torch_threads": torch.get_num_threads(), **self.stats}
+
+    def run_busy_loop(self) -> None:
+        llm = self.llm
+        while True:
+            # pull: block only when there is nothing to step
+            block = not llm.has_unfinished_requests()
+            while True:
+                try:
+                    msg = self.inputs.get(block=block, timeout=0.5 if block else None)  # a signal can still land
+                except queue.Empty:
+                    break
+                if msg is None:  # the input thread says stop
+                    return
+                self._handle(msg)
+                block = False
+            if not llm.has_unfinished_requests():
+                continue
+            try:
+                finished = {out.request_id: out for out in llm.step()}  # the offline step: only finished outputs
+            except Exception as e:  # the step's requests were dropped (LLM._step): each gets the error
+                self.stats["failed_steps"] += 1
+                dropped = [rid for rid in self.sent if rid not in llm.scheduler.requests]
+                message = f"the engine step failed: {type(e).__name__}: {e}"
+                for rid in dropped:
+                    del self.sent[rid]
+                self.outputs.put(Outputs([Delta(rid, 0, [], None, 0.0, "error", None, message) for rid in dropped]))
+                continue
+            self.stats["steps"] += 1
+            deltas = self.deltas(finished)
+            if deltas:
+                self.outputs.put(Outputs(deltas))
+
+    def deltas(self, finished: dict) -> list[Delta]:
+        """What each request got since the last message: read from its sequence (the tokens after those sent), so
+        no request's whole output is copied per step, in this process or on the wire."""
+        deltas, requests = [], self.llm.scheduler.requests
+        for rid, sent in list(self.sent.items()):
+            out = finished.get(rid)
+            if out is not None:  # finished in this step: its last tokens, and why it ended
+                c = out.outputs[0]
+                del self.sent[rid]
+                stop_reason = c.stop_reason if isinstance(c.stop_reason, int) else None
+                logprobs = c.logprobs[sent:] if c.logprobs is not None else None
+                deltas.append(Delta(rid, sent, c.token_ids[sent:], logprobs, c.cumulative_logprob, c.finish_reason,
+                                    stop_reason))
+                continue
+            seq = requests.get(rid)
+            known = seq.num_known_outputs if seq is not None else sent
+            if known > sent:  # running, with tokens read since the last message (PENDING places are not read)
+                self.sent[rid] = known
+                logprobs = seq.logprobs[sent:known] if seq.logprobs is not None else None
+                deltas.append(Delta(rid, sent, seq.output_ids[sent:known], logprobs, seq.cumulative_logprob))
+        return deltas
+
+    def _handle(self, msg) -> None:
+        llm = self.llm
+        if isinstance(msg, Add):
+            try:
+                llm._add(None, msg.prompt_ids, msg.params.sampling_params(), request_id=msg.request_id)
+                self.sent[msg.request_id] = 0
+            except ValueError as e:
+                self.outputs.put(Outputs([Delta(msg.request_id, 0, [], None, 0.0, "error", None, str(e))]))
+        elif isinstance(msg, Abort):
+            for rid in msg.request_ids:
+                if llm.abort_request(rid) is not None:
+                    self.stats["aborted"] += 1
+                self.sent.pop(rid, None)
+            if msg.reply:  # after the blocks are free
+                self.outputs.put(Stats(msg.reply, self.state()))
+        elif isinstance(msg, GetStats):
+            self.outputs.put(Stats(msg.reply, self.state()))
+
+
+def threads_cpu_s() -> dict[str, float]:
+    """This process's CPU seconds by thread (Linux: /proc/self/task): a Python thread by its name, the others (torch's
+    and OpenMP's pools, ZMQ's, CUDA's) by the kernel's name for them, those of one name added up. {} elsewhere."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick, seconds = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        name = names.get(int(tid), comm)
+        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return seconds
+
+
+def host_threads_for(device: torch.device) -> int | None:
+    """The torch (OpenMP) threads the core's host ops get: on a GPU, 1. Those ops are small (a step's inputs, built
+    on the host and copied over), and a pool of one thread per core spins after each of them: measured on the H200
+    at saturation, 16 threads burned 114 CPU seconds in 15 s, slowing the busy loop they run in. On the CPU the
+    pool does the model's work: it stays. OMP_NUM_THREADS, if set, is the user's choice. None: leave it."""
+    if device.type == "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return None
+    return 1
+
+
+def _input_thread(sock: zmq.Socket, core: EngineCore) -> None:
+    decoder = msgspec.msgpack.Decoder(ToCore)
+    while True:
+        frame = sock.recv()
+        try:
+            msg = decoder.decode(frame)
+        except msgspec.DecodeError as e:  # named in the log; the core serves on
+            core.stats["bad_messages"] += 1
+            print(f"engine core: a message failed to decode ({len(frame)} bytes): {e}", file=sys.stderr, flush=True)
+            core.outputs.put(Error(f"a message failed to decode: {e}"))
+            continue
+        core.inputs.put(msg)
+
+
+def _output_thread(sock: zmq.Socket, core: EngineCore) -> None:
+    encoder = msgspec.msgpack.Encoder()
+    while True:
+        msg = core.outputs.get()
+        if msg is None:
+            return
+        sock.send(encoder.encode(msg), copy=False)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """The front end died (this process was re-parented): exit now, which stops the workers too."""
+    while True:
+        if os.getppid() != parent_pid:
+            print("engine core: the front end died; exiting", file=sys.stderr, flush=True)
+            os._exit(1)
+        time.sleep(0.2)
+
+
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)  # in the main thread (the busy loop): its finally shuts the LLM and its workers down
+
+
+def run_engine_core(model: str, engine_options: dict, input_addr: str, output_addr: str, parent_pid: int,
+                    setup=None) -> None:
+    """The core process's entry point: connect the sockets, build the LLM, say Ready (or the Error that stopped the
+    build), then run the busy loop until the process ends. A loop that dies sends a fatal Error first. `setup`, if
+    given, is a module-level function called with the LLM once it is built (the tests inject faults with it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front end decides
+    signal.signal(signal.SIGTERM, _exit_cleanly)  # the front end's stop: the loop ends, the LLM shuts down
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent watch", daemon=True).start()
+    ctx = zmq.Context()
+    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inp.connect(input_addr)
+    out.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        llm = _CoreLLM(model, **engine_options)
+        threads = host_threads_for(llm.device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if setup is not None:
+            setup(llm)
+    except BaseException as e:
+        kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
+        out.send(encoder.encode(Error(f"the engine core failed to start: {e}" if kind == "ValueError" else
+                                      f"the engine core failed to start: {type(e).__name__}: {e}", True, kind)))
+        out.close(linger=2000)
+        return
+    core = EngineCore(llm)
+    bm = llm.block_manager
+    out.send(encoder.encode(Ready(llm.model.config.vocab_size, llm.max_model_len, bm.num_blocks, bm.block_size)))
+    threading.Thread(target=_input_thread, args=(inp, core), name="core input", daemon=True).start()
+    writer = threading.Thread(target=_output_thread, args=(out, core), name="core output", daemon=True)
+    writer.start()
+    try:
+        core.run_busy_loop()
+    except SystemExit:  # SIGTERM: stopped, not dead
+        pass
+    except BaseException as e:
+        traceback.print_exc()
+        core.outputs.put(Error(f"its loop failed: {type(e).__name__}: {e}", fatal=True))
+    finally:
+        core.outputs.put(None)
+        writer.join(timeout=5)
+        llm.shutdown()
+        out.close(linger=2000)

@@ -1,0 +1,291 @@
+"""step27: exact speculative decoding with n-gram drafts.
+
+On the CPU, the tiny random models of both families (in CI):
+- greedy outputs equal step26's token for token at 1, 4 and 16 requests, with drafts accepted in the same run;
+- the rejection rule keeps the target's distribution: verify() on made-up logits (chi-square over many seeds), and
+  the engine's sampled outputs against step26's (chi-square), each failing with a rule that always accepts;
+- a seed gives the same tokens alone and in a batch;
+- stop strings and max_tokens that fall inside an accepted run cut exactly where a plain decode stops;
+- the KV pool balances after every step of many rejections, and preemption and abort in the middle are safe;
+- a bad speculative_config is a ValueError naming the field.
+"""
+import collections
+
+import pytest
+import torch
+
+from helpers import load_engine, step_module
+from registry import TINY, introducing
+
+SPEC = introducing("speculative_decoding")
+BEFORE = "step26"
+QWEN = "random:tiny-qwen3"
+OPTIONS = dict(device="cpu", dtype="float32", max_kv_tokens=4096, max_num_seqs=16)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# prompts that repeat themselves (words, a list, a sentence, code), and two that do not
+PROMPTS = ["the the the the the the",
+           "- apples\n- pears\n- plums\n- apples\n- pears\n-",
+           "The cat sat on the mat. The cat sat on the",
+           "x = [0, 0, 0, 0, 0, 0, 0, 0",
+           "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+           "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3",
+           "Hello", "The quick brown fox"]
+
+
+def sampling(**kw):
+    from shared import SamplingParams
+
+    return SamplingParams(**kw)
+
+
+def spec_llm(model=QWEN, config=None, **options):
+    return load_engine(SPEC).LLM(model, speculative_config=dict(NGRAM, **(config or {})), **{**OPTIONS, **options})
+
+
+def prompts_of(n: int) -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(n)]
+
+
+def chi_square_p(table: list[list[int]]) -> float:
+    """A contingency table's chi-square test of independence -> its p-value (the regularised upper incomplete gamma,
+    torch.special.gammaincc)."""
+    rows, cols = [sum(r) for r in table], [sum(c) for c in zip(*table)]
+    total = sum(rows)
+    stat = sum((table[i][j] - rows[i] * cols[j] / total) ** 2 / (rows[i] * cols[j] / total)
+               for i in range(len(rows)) for j in range(len(cols)) if cols[j])
+    dof = (len(rows) - 1) * (sum(1 for c in cols if c) - 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("model", [TINY, QWEN])
+@pytest.mark.parametrize("num", [1, 4, 16])
+def test_greedy_outputs_equal_step26_with_drafts_accepted(model, num):
+    prompts = prompts_of(num)
+    params = sampling(temperature=0, max_tokens=48, ignore_eos=True)
+    before = load_engine(BEFORE).LLM(model, **OPTIONS).generate(prompts, params)
+    llm = spec_llm(model)
+    after = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+    assert [o.outputs[0].text for o in after] == [o.outputs[0].text for o in before]
+    s = llm.stats
+    assert s["spec_accepted"] > 0 and s["spec_verified"] > 0, s  # drafts were checked, and some passed
+    assert s["spec_emitted"] == s["spec_accepted"] + s["spec_verified"]
+    assert s["emitted_tokens"] == sum(len(o.outputs[0].token_ids) for o in after)
+    if num == 1:  # one request: fewer forwards than tokens
+        assert s["forwards"] < len(after[0].outputs[0].token_ids), s
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_greedy_logprobs_equal_step26():
+    params = sampling(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    before = load_engine(BEFORE).LLM(QWEN, **OPTIONS).generate(PROMPTS[:2], params)
+    llm = spec_llm()
+    after = llm.generate(PROMPTS[:2], params)
+    assert llm.stats["spec_accepted"] > 0
+    for a, b in zip(after, before):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for got, want in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t] - want[t]) < 1e-4 for t in got)
+        assert abs(a.outputs[0].cumulative_logprob - b.outputs[0].cumulative_logprob) < 1e-3
+
+
+def test_verify_keeps_the_target_distribution():
+    """One row's target distribution p over 6 tokens and a fixed draft x: over many seeds the emitted token follows
+    p (accepted x with probability p(x), else a draw from p without x). A rule that always accepts emits x only."""
+    spec = step_module(SPEC, "speculative")
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -30.0, -30.0]])  # two tokens of ~0 probability
+    p = torch.softmax(logits[0], -1)
+    draft = 1
+    counts = collections.Counter()
+    n = 4000
+    seqs = [type("S", (), {"params": sampling(temperature=1.0), "seed": seed})() for seed in range(n)]
+    rows = logits.repeat(2 * n, 1)  # each request: its draft's row, then the bonus row
+    accept, target, *_ = spec.verify(rows, seqs, [[draft]] * n, [5] * n)
+    accept, target = accept.tolist(), target.tolist()
+    for tokens, _, _ in spec.accepted_runs(accept, target, [0.0] * 2 * n, [0.0] * 2 * n, [[draft]] * n):
+        counts[tokens[0]] += 1
+    observed = [counts[t] for t in range(6)]
+    expected = [n * float(p[t]) for t in range(6)]
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    p_value = float(torch.special.gammaincc(torch.tensor(2.5, dtype=torch.float64),
+                                            torch.tensor(stat / 2, dtype=torch.float64)))
+    assert p_value > 1e-3, (observed, expected)
+    assert sum(counts.values()) == n and counts[6] == counts[7] == 0
+
+
+def test_sampled_outputs_follow_step26s_distribution():
+    """The engine, sampling (temperature 1, top-k 3, so each place has 3 tokens to choose from), a prompt whose
+    n-grams its outputs meet again: the 6-token outputs of many seeds under step27 and under step26, in a
+    chi-square test per pair of places. Drafts are proposed and accepted in the same run."""
+    n, prompt = 600, "a b a b a b a b"
+    params = [sampling(temperature=1.0, top_k=3, max_tokens=6, ignore_eos=True, seed=s) for s in range(n)]
+    config = {"prompt_lookup_min": 1, "num_speculative_tokens": 3}
+    options = dict(max_num_seqs=64)
+    before = load_engine(BEFORE).LLM(QWEN, **{**OPTIONS, **options}).generate([prompt] * n, params)
+    llm = spec_llm(config=config, **options)
+    after = llm.generate([prompt] * n, params)
+    assert llm.stats["spec_accepted"] > 50, llm.stats
+    for places in (slice(1, 3), slice(4, 6)):  # the pair after the first token, and the last pair
+        a = collections.Counter(tuple(o.outputs[0].token_ids[places]) for o in after)
+        b = collections.Counter(tuple(o.outputs[0].token_ids[places]) for o in before)
+        common = sorted(k for k in set(a) | set(b) if a[k] + b[k] >= 10)
+        table = [[a[k] for k in common] + [n - sum(a[k] for k in common)],
+                 [b[k] for k in common] + [n - sum(b[k] for k in common)]]
+        assert len(common) >= 3, table
+        assert chi_square_p(table) > 1e-3, (places, table)
+
+
+def test_a_seed_gives_the_same_tokens_alone_and_in_a_batch():
+    params = sampling(temperature=1.0, top_k=3, max_tokens=32, ignore_eos=True, seed=11)
+    llm = spec_llm(config={"prompt_lookup_min": 1})
+    alone = llm.generate(["a b a b a b"], params)[0].outputs[0].token_ids
+    assert llm.stats["spec_accepted"] > 0
+    others = sampling(temperature=0.7, max_tokens=32, ignore_eos=True)
+    batch = llm.generate(PROMPTS[1:4] + ["a b a b a b"], [others] * 3 + [params])[-1].outputs[0].token_ids
+    assert alone == batch
+
+
+@pytest.mark.parametrize("max_tokens", [3, 7, 10])
+def test_max_tokens_inside_a_run_cuts_where_a_decode_stops(max_tokens):
+    """A step emits at most what max_tokens leaves: the drafts are fewer near the end, and the length is exact."""
+    params = sampling(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    want = load_engine(BEFORE).LLM(QWEN, **OPTIONS).generate(PROMPTS[:3], params)
+    llm = spec_llm()
+    got = llm.generate(PROMPTS[:3], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in got)
+    assert max_tokens == 3 or llm.stats["spec_accepted"] > 0
+
+
+def test_a_stop_string_inside_an_accepted_run_cuts_where_a_decode_stops():
+    """Find a step where one request got 2 tokens or more from one verify; the text up to the first of them (an
+    accepted draft) is a stop string that appears first when that token does. Run again with it: both engines end
+    there (the text cut before the stop string: empty), and the verify's run was cut short."""
+    llm, params = spec_llm(TINY), sampling(temperature=0, max_tokens=48, ignore_eos=True)
+    llm.add_request(PROMPTS[0], params, request_id="find")
+    seen, stop = 0, None
+    while llm.has_unfinished_requests() and stop is None:
+        for out in llm.step(partial=True):
+            ids = out.outputs[0].token_ids
+            if len(ids) - seen >= 2:
+                stop = llm.tokenizer.decode(ids[:seen + 1]) or None
+            seen = len(ids)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert stop is not None, "no verify emitted 2 tokens or more: the prompt no longer makes drafts"
+    params = sampling(temperature=0, max_tokens=48, ignore_eos=True, stop=[stop])
+    want = load_engine(BEFORE).LLM(TINY, **OPTIONS).generate([PROMPTS[0]], params)[0].outputs[0]
+    cut = llm.stats["spec_cut"]
+    got = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == \
+        (want.text, want.token_ids, "stop", stop) and got.text == ""
+    assert llm.stats["spec_cut"] == cut + 1
+
+
+def check_pool(llm) -> None:
+    """After a step: every running request holds exactly the blocks its tokens need (no block of a rejected draft
+    is kept), its tokens all have KV but the newest, no draft is left in its tokens, and every block is either
+    held or free."""
+    bm, held = llm.block_manager, set()
+    for seq in llm.scheduler.running:
+        assert seq.token_ids == seq.prompt_ids + seq.output_ids, seq.request_id
+        assert bm.blocks_for(seq.num_computed_tokens) <= len(seq.block_table) <= bm.blocks_for(seq.num_tokens), \
+            (seq.request_id, seq.block_table)
+        assert seq.num_computed_tokens <= seq.num_tokens - 1, seq.request_id  # no rejected draft counts
+        held.update(seq.block_table)
+    assert not held & set(bm.free_blocks)
+    assert all(bm.blocks[b].ref_count > 0 for b in held)
+    assert len(held) + bm.num_free_blocks <= bm.num_blocks
+    assert sum(b.ref_count == 0 for b in bm.blocks) == bm.num_free_blocks
+
+
+def test_kv_blocks_balance_after_every_step_of_rejections_preemption_and_abort():
+    """A small pool (preemptions), sampling among 3 tokens per place (drafts proposed often, rejected often), the
+    pool checked after every step; one request aborted in the middle. At the end every block is free again."""
+    llm = spec_llm(config={"prompt_lookup_min": 1}, max_kv_tokens=256, block_size=4, max_num_seqs=8)
+    for i, prompt in enumerate(prompts_of(10)):
+        params = sampling(temperature=1.0, top_k=3, max_tokens=40, ignore_eos=True, seed=i)
+        llm.add_request(prompt, params, request_id=f"r{i}")
+    steps, aborted = 0, False
+    while llm.has_unfinished_requests():
+        llm.step()
+        steps += 1
+        if steps == 6 and not aborted:
+            aborted = llm.abort_request("r3") is not None
+        check_pool(llm)
+    s = llm.stats
+    assert s["spec_proposed"] > s["spec_accepted"] > 0, s  # rejections happened, and acceptances
+    assert llm.scheduler.num_preemptions > 0 and aborted
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_disable_by_batch_size_turns_drafting_off():
+    llm = spec_llm(config={"disable_by_batch_size": 2})
+    params = sampling(temperature=0, max_tokens=24, ignore_eos=True)
+    llm.generate(PROMPTS[:4], params)
+    assert llm.stats["spec_disabled_steps"] > 0
+    proposed = llm.stats["spec_proposed"]
+    llm.generate(PROMPTS[:1], params)  # alone: below the limit, it drafts
+    assert llm.stats["spec_proposed"] > proposed
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ("ngram", "speculative_config"),
+])
+def test_a_bad_speculative_config_is_a_value_error_naming_the_field(config, field):
+    with pytest.raises(ValueError, match=field):
+        load_engine(SPEC).LLM(TINY, speculative_config=config, **OPTIONS)
+
+
+def test_speculation_refuses_async_scheduling_and_tensor_parallelism():
+    with pytest.raises(ValueError, match="async_scheduling"):
+        load_engine(SPEC).LLM(TINY, speculative_config=NGRAM, async_scheduling=True, **OPTIONS)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        load_engine(SPEC).LLM(TINY, speculative_config=NGRAM, tensor_parallel_size=2, **OPTIONS)
+
+
+def test_the_proposer_finds_the_longest_ngram_and_its_continuation():
+    spec = step_module(SPEC, "speculative")
+    proposer = spec.NgramProposer(spec.SpeculativeConfig.parse(NGRAM))
+    assert proposer.propose([1, 2, 3, 4, 9, 9, 1, 2, 3]) == [4, 9, 9, 1]
+    assert proposer.propose([1, 2, 3, 4, 9, 9, 1, 2, 3], k=2) == [4, 9]
+    assert proposer.propose([5, 6, 7, 8]) == []  # no n-gram of 2..4 occurs before
+    assert proposer.propose([7, 7, 7, 7, 7, 7]) == [7, 7]  # a loop: no match has 4 after it, the earliest
+    assert proposer.propose([1, 2, 8, 1, 2, 9, 1, 2], k=1) == [9]  # the latest occurrence with k tokens after it
+
+
+def test_the_engine_core_process_streams_what_step26_makes_with_drafts():
+    """AsyncLLM with speculation in its core process: a verify step's several tokens cross as one delta, and the
+    streamed outputs equal step26's offline ones."""
+    import asyncio
+
+    params = sampling(temperature=0, max_tokens=32, ignore_eos=True)
+    want = load_engine(BEFORE).LLM(QWEN, **OPTIONS).generate(PROMPTS[:3], params)
+    engine = step_module(SPEC, "async_llm").AsyncLLM(QWEN, speculative_config=NGRAM, **OPTIONS)
+
+    async def one(prompt):
+        outs = [out async for out in engine.generate(prompt, params)]
+        return outs[-1].outputs[0].token_ids, max(len(b.outputs[0].token_ids) - len(a.outputs[0].token_ids)
+                                                  for a, b in zip(outs, outs[1:]))
+
+    async def run():
+        return await asyncio.gather(*(one(p) for p in PROMPTS[:3]))
+
+    try:
+        got = asyncio.run(run())
+        stats = asyncio.run(engine.get_stats())
+    finally:
+        engine.shutdown()
+    assert [ids for ids, _ in got] == [o.outputs[0].token_ids for o in want]
+    assert max(jump for _, jump in got) >= 2  # one output carried several tokens
+    assert stats["steps"] < 32 * 3
