@@ -221,14 +221,30 @@ def test_kv_blocks_balance_after_every_step_of_rejections_preemption_and_abort()
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
-def test_disable_by_batch_size_turns_drafting_off():
-    llm = spec_llm(config={"disable_by_batch_size": 2})
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_disable_by_batch_size_turns_drafting_off_and_overlap_on(async_scheduling):
+    """From disable_by_batch_size requests in the engine a step drafts nothing and runs as step26's (overlapped with
+    async_scheduling); below it, drafting resumes (the step in flight is read first). The outputs stay step26's."""
     params = sampling(temperature=0, max_tokens=24, ignore_eos=True)
-    llm.generate(PROMPTS[:4], params)
+    want = load_engine(BEFORE).LLM(QWEN, **OPTIONS).generate(PROMPTS[:5], params)
+    llm = spec_llm(config={"disable_by_batch_size": 3}, async_scheduling=async_scheduling)
+    llm.add_request(PROMPTS[0], params, request_id="first")
+    for _ in range(4):  # alone: it drafts
+        llm.step()
+    drafted = llm.stats["spec_proposed"]
+    assert drafted > 0
+    outs = {o.request_id: o for o in llm.generate(PROMPTS[1:5], params)}  # five in the engine: no drafts
+    while True:  # "first" ended inside generate(): step() hands it out
+        outs.update((o.request_id, o) for o in llm.step())
+        if not llm.has_unfinished_requests():
+            break
+    got = [outs["first"]] + [outs[str(i)] for i in range(4)]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.stats["spec_disabled_steps"] > 0
-    proposed = llm.stats["spec_proposed"]
-    llm.generate(PROMPTS[:1], params)  # alone: below the limit, it drafts
-    assert llm.stats["spec_proposed"] > proposed
+    # the overlapped order ran: a request that ended had a token computed one step past its end, thrown away
+    assert (llm.stats["discarded_tokens"] > 0) == async_scheduling
+    llm.generate(PROMPTS[:1], params)  # alone again: it drafts
+    assert llm.stats["spec_proposed"] > drafted
 
 
 @pytest.mark.parametrize("config, field", [
@@ -248,7 +264,7 @@ def test_a_bad_speculative_config_is_a_value_error_naming_the_field(config, fiel
 
 
 def test_speculation_refuses_async_scheduling_and_tensor_parallelism():
-    with pytest.raises(ValueError, match="async_scheduling"):
+    with pytest.raises(ValueError, match="async_scheduling"):  # every step drafts: none can overlap
         load_engine(SPEC).LLM(TINY, speculative_config=NGRAM, async_scheduling=True, **OPTIONS)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         load_engine(SPEC).LLM(TINY, speculative_config=NGRAM, tensor_parallel_size=2, **OPTIONS)

@@ -55,8 +55,10 @@ Added by step, oldest first (each step's outputs equal the one before it, with t
   drafts are checked so that the outputs are exactly the target's (_verify: greedy, accept while equal; sampling,
   the rejection rule), 1 to k + 1 tokens are emitted, and the rejected drafts' KV is rolled back: only the accepted
   tokens count as computed, and the blocks past them go back to the pool (block_manager.trim). A step with drafts
-  runs eagerly (the graphs hold one token per request) and the steps are synchronous (the next step's drafts need
-  this step's tokens): speculation sets async_scheduling off. Not with tensor parallelism in this step.
+  runs eagerly (the graphs hold one token per request) and synchronously (the next step's drafts need this step's
+  tokens). With disable_by_batch_size, a step with that many requests in the engine drafts nothing and runs as
+  step26's, overlapped when async_scheduling is on (a step in flight is read before drafting resumes); without it,
+  async_scheduling is off. Not with tensor parallelism in this step.
 """
 from __future__ import annotations
 
@@ -128,12 +130,13 @@ class LLM:
         # step27: n-gram drafts; the steps are then synchronous, on one rank
         self.speculative = SpeculativeConfig.parse(speculative_config)
         if self.speculative is not None:
-            if async_scheduling:
-                raise ValueError("speculative_config needs async_scheduling off: a step's drafts are looked up in "
-                                 "the tokens of the step before, read first")
             if tensor_parallel_size != 1:
                 raise ValueError("speculative_config: not with tensor_parallel_size > 1 in this step")
-            async_scheduling = False
+            if self.speculative.disable_by_batch_size is None:  # every step may draft: no step overlaps
+                if async_scheduling:
+                    raise ValueError("speculative_config without disable_by_batch_size needs async_scheduling off: "
+                                     "a step's drafts are looked up in the tokens of the step before, read first")
+                async_scheduling = False
         self.proposer = NgramProposer(self.speculative) if self.speculative is not None else None
         self.enforce_eager = check_enforce_eager(enforce_eager)
         check_tensor_parallel_size(tensor_parallel_size)  # its type now; how it splits the model once it is found
@@ -327,7 +330,11 @@ class LLM:
         return handed_out + self._step(partial)
 
     def _step(self, partial: bool = False) -> list[RequestOutput]:
-        if self.async_scheduling:
+        drafting = self.speculative is not None and self._drafting()
+        if drafting and self.in_flight is not None:  # step27: drafts need every token read: read the step in flight
+            step_n, self.in_flight = self.in_flight, None
+            return self._read_step(step_n, partial)
+        if self.async_scheduling and not drafting:
             return self._step_async(partial)
         timer = self.timers.phase
         with timer("schedule"):
@@ -341,7 +348,7 @@ class LLM:
             self.stats["decode_steps"] += bool(decodes)
             self.stats["decode_rows"] += decodes
             self.stats["prefill_chunks"] += len(work) - decodes
-        spec = self._propose(work) if self.speculative is not None else {}  # step27: {work index: drafts}
+        spec = self._propose(work) if drafting else {}  # step27: {work index: drafts}
         if spec:
             work = [(seq, n + len(spec[i])) if i in spec else (seq, n) for i, (seq, n) in enumerate(work)]
         try:
@@ -387,15 +394,21 @@ class LLM:
             return outputs
 
     # ---- step27: speculative decoding -------------------------------------------------------------------------
+    def _drafting(self) -> bool:
+        """Does this step draft? Always, unless disable_by_batch_size is set and at least that many requests are in
+        the engine (running or waiting): then the step runs as step26's, overlapped if async_scheduling is on."""
+        limit = self.speculative.disable_by_batch_size
+        if limit is None or len(self.scheduler.running) + len(self.scheduler.waiting) < limit:
+            return True
+        self.stats["spec_disabled_steps"] += 1
+        return False
+
     def _propose(self, work) -> dict[int, list[int]]:
         """Drafts for the step's decoding requests: each gets up to k, within what is left of the token budget,
         what max_tokens leaves (a step emits at most drafts + 1) and the free blocks (no one is preempted for a
         guess). The drafts join the sequence's token_ids for this step only, and blocks are taken for their KV.
         -> {index in work: drafts}."""
         cfg, bm = self.speculative, self.block_manager
-        if cfg.disable_by_batch_size is not None and len(self.scheduler.running) >= cfg.disable_by_batch_size:
-            self.stats["spec_disabled_steps"] += 1
-            return {}
         budget = self.scheduler.max_num_batched_tokens - sum(n for _, n in work)
         spec = {}
         with self.timers.phase("schedule"):  # proposing is host work of the schedule

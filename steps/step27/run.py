@@ -3,9 +3,10 @@ tokens earlier in its own prompt and output, proposes the tokens that followed a
 forward: the accepted ones and one token more are emitted, the KV of the rejected ones is rolled back. Greedy outputs
 stay exactly those of step26.
 
-The lesson runs one request at a time (where a decode leaves the device idle most): a copy-heavy request (the model
-is asked to repeat a given piece of code) and a chat question, each through step26 and this step, alternated, with
-the outputs compared and the drafts counted."""
+The lesson runs --requests chat questions at once through step26 and this step (the phases side by side), then one
+request at a time (where a decode leaves the device idle most): a copy-heavy request (the model is asked to repeat a
+given piece of code) and a chat question, each through step26 and this step, alternated, with the outputs compared
+and the drafts counted."""
 import statistics
 import sys
 import time
@@ -16,7 +17,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
-from shared.anatomy import QUESTIONS, anatomy_arg_parser, compared_options, demo_options, step_module
+from shared.anatomy import QUESTIONS, anatomy_arg_parser, before_after, compared_options, demo_options, step_module
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -41,7 +42,7 @@ REPEATS = 3
 
 def main() -> None:
     parser = anatomy_arg_parser(__doc__)
-    parser.set_defaults(lesson_tokens=96)
+    parser.set_defaults(lesson_tokens=64)
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
         llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.requests, 16),
@@ -59,6 +60,7 @@ def timed(llm, prompt, tokens: int) -> tuple[list[int], float]:
 
 
 def show_lesson(llm, args) -> None:
+    before_after("step26", "step27", llm, args)  # the chat questions, --requests at once
     old = step_module("step26", "engine").LLM(args.model, device=args.device, dtype=args.dtype,
                                                **compared_options(args))
     rows, equal = [], True

@@ -1,0 +1,226 @@
+"""step27's measurements: speculative decoding with n-gram drafts against step26, in one call.
+
+    python docs/data/bench_spec.py --model smollm2-135m --max-tokens 128 --repeats 3 --out docs/data/raw/cpu_step27_spec
+    python3 docs/data/bench_spec.py --model random:qwen3-0.6b --max-tokens 256 --repeats 3 --verify-cost --nano-vllm \\
+        --out h200_step27_spec                                                           (on a GPU)
+
+Batch 1 (one request at a time, greedy), three workloads:
+    copy-heavy   the model is given a text and asked to repeat, edit or refactor it: a paragraph to rewrite with its
+                 typos fixed, a function to refactor (a variable renamed), a function to copy
+    chat         chat questions (shared/anatomy.py's QUESTIONS), answered to their end
+    standard     shared/bench.py's standard prompts, --max-tokens new tokens each (EOS ignored)
+Each workload runs through step26 and step27 (speculative_config: --k drafts, lookup 4..2), alternated --repeats
+times; tokens/s is the median run's (all its requests' tokens over their time). The outputs of both must be equal,
+token for token; the drafts proposed and accepted, the mean accepted length (1 + accepted / verified requests) and the
+tokens per forward are step27's over all its runs.
+
+--verify-cost: the time of one forward for one request with k = 0 (a decode; also replayed as a CUDA graph, on a
+GPU) .. 8 drafts, after a prompt of 256 tokens, the median of 20.
+--nano-vllm: shared/bench.py's nano-vllm workload (sampled, as nano-vllm runs it) through step26, step27 with
+speculation, and step27 with speculation and disable_by_batch_size (the engine's own switch), alternated.
+--out PREFIX writes PREFIX.json and PREFIX.txt (this output).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from shared import SamplingParams  # noqa: E402
+from shared.anatomy import QUESTIONS  # noqa: E402
+from shared.bench import STANDARD_QUESTIONS, nano_vllm_workload  # noqa: E402
+from shared.cli import format_table  # noqa: E402
+
+PARAGRAPH = ("Teh library opens at nine in the morning and closes at six in the evening. Members may borow up to "
+             "five books at a time, for three weeks. Books can be renewed online, unless another member has "
+             "reserved them. Late returns cost ten cents a day, and the reading room is quiet at all times.")
+CODE = '''def count_words(text):
+    x = {}
+    for word in text.split():
+        word = word.lower().strip(".,;:!?")
+        if word:
+            x[word] = x.get(word, 0) + 1
+    return sorted(x.items(), key=lambda item: -item[1])
+'''
+COPY_HEAVY = [f"Rewrite this paragraph with its spelling mistakes fixed, and change nothing else:\n\n{PARAGRAPH}",
+              f"Refactor this function: rename the variable x to counts. Show the whole function.\n\n{CODE}",
+              f"Repeat this function exactly.\n\n{CODE}"]
+LINES: list[str] = []
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+    LINES.append(text)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def one_at_a_time(llm, prompts, params) -> tuple[list[list[int]], float, int]:
+    """Each prompt alone -> (the outputs, the seconds of all of them, the tokens)."""
+    outs, seconds = [], 0.0
+    for prompt, sp in zip(prompts, params):
+        sync(llm.device)
+        start = time.perf_counter()
+        out = llm.generate([prompt], sp)[0].outputs[0]
+        sync(llm.device)
+        seconds += time.perf_counter() - start
+        outs.append(out.token_ids)
+    return outs, seconds, sum(len(o) for o in outs)
+
+
+def batch_one(args, old, new) -> dict:
+    tok = new.tokenizer
+    chat = lambda qs: [tok.apply_chat_template([{"role": "user", "content": q}]) for q in qs]  # noqa: E731
+    workloads = {
+        "copy-heavy": (chat(COPY_HEAVY), SamplingParams(temperature=0, max_tokens=args.max_tokens)),
+        "chat": (chat(QUESTIONS[:4]), SamplingParams(temperature=0, max_tokens=args.max_tokens)),
+        "standard": (chat(STANDARD_QUESTIONS), SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                                              ignore_eos=True)),
+    }
+    results, rows = {}, []
+    for name, (prompts, sp) in workloads.items():
+        params = [sp] * len(prompts)
+        one_at_a_time(old, prompts[:1], [SamplingParams(temperature=0, max_tokens=8)])  # warm-ups
+        one_at_a_time(new, prompts[:1], [SamplingParams(temperature=0, max_tokens=8)])
+        before = dict(new.stats)
+        runs = {"step26": [], "step27": []}
+        outputs = []
+        for _ in range(args.repeats):
+            for label, llm in (("step26", old), ("step27", new)):
+                outs, seconds, tokens = one_at_a_time(llm, prompts, params)
+                runs[label].append(tokens / seconds)
+                outputs.append(outs)
+        equal = all(o == outputs[0] for o in outputs)
+        s = {k: new.stats[k] - before[k] for k in ("spec_proposed", "spec_accepted", "spec_verified", "forwards",
+                                                    "emitted_tokens")}
+        med = {label: statistics.median(v) for label, v in runs.items()}
+        results[name] = {"tokens_per_s": runs, "median_tokens_per_s": med, "speedup": med["step27"] / med["step26"],
+                         "outputs_equal": equal, "tokens": sum(map(len, outputs[0])), **s,
+                         "acceptance_rate": s["spec_accepted"] / max(s["spec_proposed"], 1),
+                         "mean_accepted_length": 1 + s["spec_accepted"] / max(s["spec_verified"], 1),
+                         "tokens_per_forward": s["emitted_tokens"] / max(s["forwards"], 1)}
+        r = results[name]
+        rows.append([name, len(prompts), r["tokens"], f"{med['step26']:.1f}", f"{med['step27']:.1f}",
+                     f"{r['speedup']:.2f}x", f"{100 * r['acceptance_rate']:.0f}%", f"{r['mean_accepted_length']:.2f}",
+                     f"{r['tokens_per_forward']:.2f}", "yes" if equal else "NO"])
+    say(f"batch 1 (one request at a time, greedy), {args.model} on {new.device}, {args.repeats} runs each, alternated; "
+        f"tokens/s of the median run; step27 with up to {args.k} drafts")
+    say(format_table(["workload", "requests", "tokens", "step26 tok/s", "step27 tok/s", "speed-up", "accepted",
+                      "mean accepted length", "tokens per forward", "equal"], rows))
+    return results
+
+
+def verify_cost(args, new) -> dict:
+    """One request after a 256-token prompt: the forward of k drafts + 1 token, k = 0..8, timed alone."""
+    llm = new
+    prompt = list(range(1000, 1256))
+    llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), request_id="cost")
+    while llm.runner.stats["forwards"] == 0 or not llm.scheduler.running[0].output_ids:
+        llm.step()
+    seq, bm = llm.scheduler.running[0], llm.block_manager
+    llm.scheduler._make_room(seq)
+    times = {}
+    for k in range(0, 9):
+        drafts = list(range(2000, 2000 + k))
+        bm.allocate(seq, seq.num_tokens + k)
+        seq.token_ids.extend(drafts)
+        work = [(seq, k + 1)]
+        rows = list(range(k + 1))
+        samples = []
+        for i in range(25):
+            sync(llm.device)
+            start = time.perf_counter()
+            llm.runner.execute(work, logits_rows=rows)
+            sync(llm.device)
+            if i >= 5:
+                samples.append(time.perf_counter() - start)
+        times[k] = 1000 * statistics.median(samples)
+        del seq.token_ids[len(seq.token_ids) - k:]
+        bm.trim(seq, seq.num_tokens)
+    graph = None
+    if llm.runner.graphs is not None:
+        samples = []
+        for i in range(25):
+            sync(llm.device)
+            start = time.perf_counter()
+            llm.runner.execute([(seq, 1)])
+            sync(llm.device)
+            if i >= 5:
+                samples.append(time.perf_counter() - start)
+        graph = 1000 * statistics.median(samples)
+    llm.abort_request("cost")
+    rows = [[k, f"{times[k]:.3f}", f"{times[k] / times[0]:.2f}"] for k in times]
+    say(f"\nthe forward of one request after a 256-token prompt, with k drafts (k + 1 tokens, eager), median of 20, "
+        f"ms; a decode replayed as a CUDA graph: {f'{graph:.3f} ms' if graph is not None else 'no graphs here'}")
+    say(format_table(["k", "ms", "vs k = 0"], rows))
+    return {"ms": times, "decode_graph_ms": graph}
+
+
+def nano_vllm(args, old, new, switched) -> dict:
+    prompts, params = nano_vllm_workload(new.tokenizer)
+    runs = {"step26": [], "step27": [], "step27 switched": []}
+    for llm in (old, new, switched):  # warm-up: the shapes
+        llm.generate(prompts[:8], [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16)] * 8)
+    for _ in range(args.nano_repeats):
+        for label, llm in (("step26", old), ("step27", new), ("step27 switched", switched)):
+            sync(llm.device)
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            sync(llm.device)
+            runs[label].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+    med = {label: statistics.median(v) for label, v in runs.items()}
+    say(f"\nnano-vllm's workload (256 requests, sampled at 0.6, as its bench.py), {args.nano_repeats} runs each, "
+        f"alternated, median tokens/s: step26 {med['step26']:.0f}, step27 with drafts {med['step27']:.0f} "
+        f"({med['step27'] / med['step26']:.2f}x), step27 with disable_by_batch_size={args.disable_by_batch_size} "
+        f"{med['step27 switched']:.0f} ({med['step27 switched'] / med['step26']:.2f}x)")
+    return {"tokens_per_s": runs, "median_tokens_per_s": med}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: %(default)s)")
+    p.add_argument("--verify-cost", action="store_true")
+    p.add_argument("--nano-vllm", action="store_true")
+    p.add_argument("--nano-repeats", type=int, default=3)
+    p.add_argument("--disable-by-batch-size", type=int, default=8)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.28, help="each engine's share on a GPU")
+    p.add_argument("--out", type=Path, required=True, help="PREFIX: writes PREFIX.json and PREFIX.txt")
+    args = p.parse_args()
+    from steps.step26.engine import LLM as Before
+    from steps.step27.engine import LLM as After
+
+    config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    options = dict(device=args.device, gpu_memory_utilization=args.gpu_memory_utilization)
+    old = Before(args.model, **options)
+    new = After(args.model, speculative_config=config, **options)
+    say(f"step27 backend: {new.backend}")
+    say(f"command: python docs/data/bench_spec.py {' '.join(sys.argv[1:])}\n")
+    result = {"command": " ".join(sys.argv), "device": str(new.device), "model": args.model, "k": args.k,
+              "batch1": batch_one(args, old, new)}
+    if args.verify_cost:
+        result["verify_cost"] = verify_cost(args, new)
+    if args.nano_vllm:
+        switched = After(args.model, speculative_config={**config, "disable_by_batch_size": args.disable_by_batch_size},
+                         **options)
+        result["nano_vllm"] = nano_vllm(args, old, new, switched)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".txt").write_text("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()
