@@ -366,6 +366,13 @@ MUTATIONS = [
         "    accept = argmax == draft_t\n",
         "    accept = torch.ones_like(draft_t, dtype=torch.bool)\n",
         ("tests/test_part9_spec.py::test_greedy_outputs_equal_step26_with_drafts_accepted",)),
+    Mutation(
+        "step27-sampler-always-accepts", "step27's sampled verdict accepts every draft (no accept test against p(x))",
+        "steps/step27/speculative.py",
+        "        ok = u_accept < p_x\n",
+        "        ok = u_accept >= 0\n",
+        ("tests/test_part9_spec.py::test_verify_keeps_the_target_distribution",
+         "tests/test_part9_spec.py::test_sampled_outputs_follow_step26s_distribution")),
     # GPU: the CUDA-graph path fills PENDING places in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a PENDING input id instead of the "
