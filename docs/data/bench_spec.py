@@ -126,9 +126,10 @@ def verify_cost(args, new) -> dict:
     llm = new
     prompt = list(range(1000, 1256))
     llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), request_id="cost")
-    while llm.runner.stats["forwards"] == 0 or not llm.scheduler.running[0].output_ids:
+    seq, bm = None, llm.block_manager
+    while seq is None or not seq.output_ids:  # its prompt computed, its first token out
         llm.step()
-    seq, bm = llm.scheduler.running[0], llm.block_manager
+        seq = llm.scheduler.requests.get("cost")
     llm.scheduler._make_room(seq)
     times = {}
     for k in range(0, 9):
@@ -169,9 +170,10 @@ def verify_cost(args, new) -> dict:
 
 def nano_vllm(args, old, new, switched) -> dict:
     prompts, params = nano_vllm_workload(new.tokenizer)
+    prompts, params = prompts[:args.nano_requests], params[:args.nano_requests]
     runs = {"step26": [], "step27": [], "step27 switched": []}
     for llm in (old, new, switched):  # warm-up: the shapes
-        llm.generate(prompts[:8], [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16)] * 8)
+        llm.generate(prompts[:8], SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16))
     for _ in range(args.nano_repeats):
         for label, llm in (("step26", old), ("step27", new), ("step27 switched", switched)):
             sync(llm.device)
@@ -180,7 +182,7 @@ def nano_vllm(args, old, new, switched) -> dict:
             sync(llm.device)
             runs[label].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
     med = {label: statistics.median(v) for label, v in runs.items()}
-    say(f"\nnano-vllm's workload (256 requests, sampled at 0.6, as its bench.py), {args.nano_repeats} runs each, "
+    say(f"\nnano-vllm's workload ({len(prompts)} requests, sampled at 0.6, as its bench.py), {args.nano_repeats} runs each, "
         f"alternated, median tokens/s: step26 {med['step26']:.0f}, step27 with drafts {med['step27']:.0f} "
         f"({med['step27'] / med['step26']:.2f}x), step27 with disable_by_batch_size={args.disable_by_batch_size} "
         f"{med['step27 switched']:.0f} ({med['step27 switched'] / med['step26']:.2f}x)")
@@ -195,8 +197,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: %(default)s)")
     p.add_argument("--verify-cost", action="store_true")
+    p.add_argument("--no-batch1", action="store_true", help="leave the batch-1 workloads out")
     p.add_argument("--nano-vllm", action="store_true")
     p.add_argument("--nano-repeats", type=int, default=3)
+    p.add_argument("--nano-requests", type=int, default=256, help="the first N of its 256 requests (a quick check)")
     p.add_argument("--disable-by-batch-size", type=int, default=8)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.28, help="each engine's share on a GPU")
     p.add_argument("--out", type=Path, required=True, help="PREFIX: writes PREFIX.json and PREFIX.txt")
@@ -210,8 +214,9 @@ def main() -> None:
     new = After(args.model, speculative_config=config, **options)
     say(f"step27 backend: {new.backend}")
     say(f"command: python docs/data/bench_spec.py {' '.join(sys.argv[1:])}\n")
-    result = {"command": " ".join(sys.argv), "device": str(new.device), "model": args.model, "k": args.k,
-              "batch1": batch_one(args, old, new)}
+    result = {"command": " ".join(sys.argv), "device": str(new.device), "model": args.model, "k": args.k}
+    if not args.no_batch1:
+        result["batch1"] = batch_one(args, old, new)
     if args.verify_cost:
         result["verify_cost"] = verify_cost(args, new)
     if args.nano_vllm:
