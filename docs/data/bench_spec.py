@@ -209,9 +209,10 @@ def main() -> None:
     from steps.step27.engine import LLM as After
 
     config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    options = dict(device=args.device, gpu_memory_utilization=args.gpu_memory_utilization)
-    old = Before(args.model, **options)
-    new = After(args.model, speculative_config=config, **options)
+    # on a GPU each engine's share counts what the engines built before it hold: the n-th asks for n shares
+    share = lambda n: dict(device=args.device, gpu_memory_utilization=n * args.gpu_memory_utilization)  # noqa: E731
+    old = Before(args.model, **share(1))
+    new = After(args.model, speculative_config=config, **share(2))
     say(f"step27 backend: {new.backend}")
     say(f"command: python docs/data/bench_spec.py {' '.join(sys.argv[1:])}\n")
     result = {"command": " ".join(sys.argv), "device": str(new.device), "model": args.model, "k": args.k}
@@ -221,7 +222,7 @@ def main() -> None:
         result["verify_cost"] = verify_cost(args, new)
     if args.nano_vllm:
         switched = After(args.model, speculative_config={**config, "disable_by_batch_size": args.disable_by_batch_size},
-                         **options)
+                         **share(3))
         result["nano_vllm"] = nano_vllm(args, old, new, switched)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     args.out.with_suffix(".txt").write_text("\n".join(LINES) + "\n")
