@@ -42,7 +42,7 @@ REPEATS = 3
 
 def main() -> None:
     parser = anatomy_arg_parser(__doc__)
-    parser.set_defaults(lesson_tokens=48)
+    parser.set_defaults(lesson_tokens=32)
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
         llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.requests, 16),
