@@ -89,6 +89,7 @@ def batch_one(args, old, new) -> dict:
                                                               ignore_eos=True)),
     }
     results, rows = {}, []
+    workloads = {name: w for name, w in workloads.items() if name in args.workloads}
     for name, (prompts, sp) in workloads.items():
         params = [sp] * len(prompts)
         one_at_a_time(old, prompts[:1], [SamplingParams(temperature=0, max_tokens=8)])  # warm-ups
@@ -198,6 +199,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: %(default)s)")
     p.add_argument("--verify-cost", action="store_true")
     p.add_argument("--no-batch1", action="store_true", help="leave the batch-1 workloads out")
+    p.add_argument("--workloads", nargs="+", default=["copy-heavy", "chat", "standard"],
+                   choices=["copy-heavy", "chat", "standard"], help="the batch-1 workloads (default: all three)")
     p.add_argument("--nano-vllm", action="store_true")
     p.add_argument("--nano-repeats", type=int, default=3)
     p.add_argument("--nano-requests", type=int, default=256, help="the first N of its 256 requests (a quick check)")
