@@ -173,3 +173,24 @@ class TritonLaunches:
         for cls, original in self._patched:
             cls.run = original
         return False
+
+
+# ---- processes, read from /proc (Linux) --------------------------------------------------------------------
+def stat_fields(pid) -> list[str] | None:
+    """/proc/PID/stat after the command name: [state, parent pid, ...]; None once the process is gone."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def children_of(pid: int) -> set[int]:
+    """The live (not zombie) processes whose parent is pid."""
+    return {int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()
+            and (f := stat_fields(e.name)) is not None and f[1] == str(pid) and f[0] != "Z"}
+
+
+def alive(pid: int) -> bool:
+    """pid exists and has not exited (a zombie has exited: it waits only to be reaped)."""
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"

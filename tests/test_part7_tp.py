@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TP_LOGPROB_ATOL_FP32, compare_completions, load_engine, step_module
+from helpers import TP_LOGPROB_ATOL_FP32, alive, children_of, compare_completions, load_engine, step_module
 from registry import having, introducing, last_before
 from shared import SamplingParams, resolve_model
 
@@ -38,28 +38,13 @@ def parallel():
     return step_module(TP, "parallel")
 
 
-def stat_fields(pid) -> list[str] | None:
-    """/proc/PID/stat after the command name: [state, parent pid, ...]; None once the process is gone."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
 def child_processes() -> set[int]:
     """The live children of this process, read from /proc, leaving out multiprocessing's resource tracker (a helper
     the spawn method starts once per process, shared by everything that spawns; not an engine's worker)."""
     from multiprocessing import resource_tracker
 
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    children = {int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()
-                and (f := stat_fields(e.name)) is not None and f[1] == str(os.getpid()) and f[0] != "Z"}
-    return children - {tracker}
-
-
-def alive(pid: int) -> bool:
-    fields = stat_fields(pid)
-    return fields is not None and fields[0] != "Z"
+    return children_of(os.getpid()) - {tracker}
 
 
 # ---- the loader -----------------------------------------------------------------------------------------

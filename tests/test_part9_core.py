@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import load_engine, step_module
+from helpers import alive, children_of, load_engine, step_module
 from registry import TINY, introducing
 from shared import SamplingParams
 
@@ -323,29 +323,6 @@ def test_gpu_core_runs_one_host_thread_and_streams_what_offline_makes(monkeypatc
         offline.shutdown()
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is pid (Linux: /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
-def _running(pid: int) -> bool:
-    """pid exists and has not exited (a zombie has exited: it waits only to be reaped)."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc (Linux)")
 def test_the_cores_tensor_parallel_workers_do_not_outlive_it():
     """A core with a tensor-parallel worker (two gloo ranks on the CPU) killed with SIGKILL: its worker, a child of
@@ -354,12 +331,12 @@ def test_the_cores_tensor_parallel_workers_do_not_outlive_it():
     try:
         outs = asyncio.run(_collect(engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=4)))
         assert outs[-1].finished
-        workers = _children(engine.process.pid)
+        workers = children_of(engine.process.pid)
         assert workers, "the core has no worker process"
         os.kill(engine.process.pid, signal.SIGKILL)
         deadline = time.time() + 15
-        while time.time() < deadline and any(_running(w) for w in workers):
+        while time.time() < deadline and any(map(alive, workers)):
             time.sleep(0.1)
-        assert not any(_running(w) for w in workers), f"workers left: {[w for w in workers if _running(w)]}"
+        assert not any(map(alive, workers)), f"workers left: {[w for w in workers if alive(w)]}"
     finally:
         engine.shutdown()
