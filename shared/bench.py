@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # the root on the path, this folder off it: a module here (kernels/) would hide an installed one
+    sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
+        p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from shared.anatomy import copy_gb_per_s  # noqa: E402
 from shared.models import DEFAULT_MODEL  # noqa: E402

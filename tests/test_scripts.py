@@ -1,6 +1,7 @@
 """Every step's run.py and run_all.py run from the repo root, say what they ran on, and refuse bad input
 with one `error:` line (exit status 2, no traceback)."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -62,6 +63,43 @@ def test_every_step_folder_is_complete():
     assert sorted(STEPS) == on_disk, "tests/conftest.py STEPS must list every step folder"
 
 
+
+def scripts_with_a_path_setup() -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "steps").glob("*/*.py")
+                  if 'if __package__ in (None, ""):' in p.read_text())
+
+
+def test_a_steps_script_finds_an_installed_package_before_a_folder_of_the_step(tmp_path):
+    """Python puts a script's own folder first on sys.path, where steps/<step>/kernels/ would hide an installed
+    package named `kernels` (transformers imports the hub's one, when it is installed, to read any config).
+    A `kernels` installed through PYTHONPATH is imported when each script exits (sitecustomize's atexit hook):
+    it must be that one, in the last step's scripts and the first step with kernels/."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit\n"
+        "def _which():\n"
+        "    import kernels\n"
+        "    print('kernels from', kernels.__file__)\n"
+        "atexit.register(_which)\n")
+    first = min(p.parent.name for p in (ROOT / "steps").glob("*/kernels"))
+    scripts = [s for s in scripts_with_a_path_setup() if s.split("/")[1] in (STEPS[-1], first)]
+    assert len(scripts) >= 4, scripts
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for script in scripts:
+        proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, env=env,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"kernels from {tmp_path / 'kernels' / '__init__.py'}" in proc.stdout, (script, proc.stdout[-500:])
+
+
+def test_every_script_sets_up_its_path_the_same_way():
+    setups = {script: re.search(r'if __package__ in \(None, ""\):.*\n((?:    .*\n)+)', (ROOT / script).read_text())
+              for script in scripts_with_a_path_setup()}
+    assert all(setups.values())
+    assert len({m.group(1) for m in setups.values()}) == 2, "run.py/serve.py and bench_serve.py: two forms"
+    for script, m in setups.items():
+        assert "Path(__file__).resolve().parent]" in m.group(1), script  # this folder taken off the path
 def step_names_in_code(path) -> set[str]:
     """The steps a file names in its code: string constants (docstrings left out) that are a step's name or a
     module path into one ("steps.step16", "steps/step16"), and a module path completed at run time

@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `shared` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    # the root on the path, this folder off it: a module here (kernels/) would hide an installed one
+    sys.path[:] = [str(Path(__file__).resolve().parents[2])] + [
+        p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
