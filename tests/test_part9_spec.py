@@ -77,6 +77,33 @@ def test_greedy_outputs_equal_step26_with_drafts_accepted(model, num):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+def attach_eager_verify_graphs(llm, max_seqs: int):
+    """The engine's verify-step static buffers, built but never captured (a CPU): every verify step goes through
+    their fill (rows padded to k + 1 tokens, the batch to its bucket) and the padded forward, run eagerly."""
+    graphs = step_module(SPEC, "cuda_graphs")
+    runner, block_size = llm.runner, llm.block_manager.block_size
+    runner.verify_graphs = graphs.VerifyGraphs(llm.model, llm.device, max_seqs, NGRAM["num_speculative_tokens"] + 1,
+                                               block_size, runner.scratch_block, runner.max_table_blocks(block_size))
+    return runner.verify_graphs
+
+
+def test_verify_steps_in_static_buffers_equal_the_plain_verify_forward():
+    """The fill-and-forward code a verify graph records, run eagerly in Triton's interpreter: 6 requests (batches
+    6 .. 1 in buckets 8, 4, 2, 1), rows with k drafts, fewer, and none (a plain decode padded to k + 1 tokens). The
+    tokens are step26's, drafts were accepted, and every verify step went through the static buffers."""
+    prompts, params = PROMPTS[:6], sampling(temperature=0, max_tokens=12, ignore_eos=True)
+    options = dict(OPTIONS, attention_backend="triton", max_num_seqs=8)
+    want = load_engine(BEFORE).LLM(TINY, **options).generate(prompts, params)
+    llm = spec_llm(TINY, **options)
+    graphs = attach_eager_verify_graphs(llm, 8)
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    s = llm.stats
+    assert s["spec_accepted"] > 0 and s["spec_steps"] > 0, s
+    assert graphs.eager_runs == s["spec_steps"] and graphs.replays == s["verify_replays"] == 0  # no graph: a CPU
+    assert s["padded_rows"] > 0  # some verify batches were padded up to their bucket
+
+
 def test_greedy_logprobs_equal_step26():
     params = sampling(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     before = load_engine(BEFORE).LLM(QWEN, **OPTIONS).generate(PROMPTS[:2], params)
@@ -326,4 +353,5 @@ def test_gpu_greedy_outputs_follow_step26_up_to_bf16_near_ties():
     diverged, broken = diverge_at_near_ties(runs[0], runs[1])
     assert broken is None, broken
     assert runs[1]["stats"]["spec_accepted"] > 0 and runs[1]["stats"]["spec_verified"] > 0
+    assert runs[1]["stats"]["verify_replays"] > 0  # verify steps replayed their graphs
     print(f"{diverged} of {len(PROMPTS)} requests parted from step26's at a near-tie")

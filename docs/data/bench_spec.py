@@ -15,7 +15,8 @@ token for token; the drafts proposed and accepted, the mean accepted length (1 +
 tokens per forward are step27's over all its runs.
 
 --verify-cost: the time of one forward for one request with k = 0 (a decode; also replayed as a CUDA graph, on a
-GPU) .. 8 drafts, after a prompt of 256 tokens, the median of 20.
+GPU) .. 8 drafts, after a prompt of 256 tokens, the median of 20: eager, and (on a GPU, k < --k + 1) replayed from
+the verify graph, whose rows are --k + 1 tokens.
 --nano-vllm: shared/bench.py's nano-vllm workload (sampled, as nano-vllm runs it) through step26, step27 with
 speculation, and step27 with speculation and disable_by_batch_size (the engine's own switch), alternated.
 --out PREFIX writes PREFIX.json and PREFIX.txt (this output).
@@ -123,7 +124,8 @@ def batch_one(args, old, new) -> dict:
 
 
 def verify_cost(args, new) -> dict:
-    """One request after a 256-token prompt: the forward of k drafts + 1 token, k = 0..8, timed alone."""
+    """One request after a 256-token prompt: the forward of k drafts + 1 token, k = 0..8, timed alone: eager, and
+    replayed from the verify graph (k + 1 tokens padded to the graph's, up to --k), when there are graphs."""
     llm = new
     prompt = list(range(1000, 1256))
     llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), request_id="cost")
@@ -132,41 +134,41 @@ def verify_cost(args, new) -> dict:
         llm.step()
         seq = llm.scheduler.requests.get("cost")
     llm.scheduler._make_room(seq)
-    times = {}
+    runner, verify_graphs = llm.runner, llm.runner.verify_graphs
+
+    def timed(work, rows=None) -> float:
+        samples = []
+        for i in range(25):
+            sync(llm.device)
+            start = time.perf_counter()
+            runner.execute(work, logits_rows=rows)
+            sync(llm.device)
+            if i >= 5:
+                samples.append(time.perf_counter() - start)
+        return 1000 * statistics.median(samples)
+
+    times, graphed = {}, {}
     for k in range(0, 9):
         drafts = list(range(2000, 2000 + k))
         bm.allocate(seq, seq.num_tokens + k)
         seq.token_ids.extend(drafts)
-        work = [(seq, k + 1)]
-        rows = list(range(k + 1))
-        samples = []
-        for i in range(25):
-            sync(llm.device)
-            start = time.perf_counter()
-            llm.runner.execute(work, logits_rows=rows)
-            sync(llm.device)
-            if i >= 5:
-                samples.append(time.perf_counter() - start)
-        times[k] = 1000 * statistics.median(samples)
+        work, rows = [(seq, k + 1)], list(range(k + 1))
+        runner.verify_graphs = None  # eager
+        times[k] = timed(work, rows)
+        runner.verify_graphs = verify_graphs
+        if verify_graphs is not None and verify_graphs.can_run(work):
+            graphed[k] = timed(work, rows)
         del seq.token_ids[len(seq.token_ids) - k:]
         bm.trim(seq, seq.num_tokens)
-    graph = None
-    if llm.runner.graphs is not None:
-        samples = []
-        for i in range(25):
-            sync(llm.device)
-            start = time.perf_counter()
-            llm.runner.execute([(seq, 1)])
-            sync(llm.device)
-            if i >= 5:
-                samples.append(time.perf_counter() - start)
-        graph = 1000 * statistics.median(samples)
+    graph = timed([(seq, 1)]) if runner.graphs is not None else None
     llm.abort_request("cost")
-    rows = [[k, f"{times[k]:.3f}", f"{times[k] / times[0]:.2f}"] for k in times]
-    say(f"\nthe forward of one request after a 256-token prompt, with k drafts (k + 1 tokens, eager), median of 20, "
-        f"ms; a decode replayed as a CUDA graph: {f'{graph:.3f} ms' if graph is not None else 'no graphs here'}")
-    say(format_table(["k", "ms", "vs k = 0"], rows))
-    return {"ms": times, "decode_graph_ms": graph}
+    rows = [[k, f"{times[k]:.3f}", f"{times[k] / times[0]:.2f}", f"{graphed[k]:.3f}" if k in graphed else "-",
+             f"{graphed[k] / graph:.2f}" if k in graphed else "-"] for k in times]
+    say(f"\nthe forward of one request after a 256-token prompt, with k drafts (k + 1 tokens), median of 20, ms: eager, "
+        f"and replayed from the verify graph ({verify_graphs.query_len if verify_graphs else 'none'} tokens per row); "
+        f"a decode replayed from its graph: {f'{graph:.3f} ms' if graph is not None else 'no graphs here'}")
+    say(format_table(["k", "eager ms", "vs k = 0", "graph ms", "vs a decode's graph"], rows))
+    return {"ms": times, "graph_ms": graphed, "decode_graph_ms": graph}
 
 
 def nano_vllm(args, old, new, switched) -> dict:

@@ -159,21 +159,27 @@ class TritonAttention(TorchAttention):
 
         return choose_num_splits(size, self.config.num_kv_heads, max_context, **self.split_rule)
 
-    def graph_metadata(self, inputs, size: int, num_splits: int) -> AttentionMetadata:
+    def graph_metadata(self, inputs, size: int, num_splits: int, query_len: int = 1) -> AttentionMetadata:
         """A step of `size` decodes as the kernels read it, from the static buffers of cuda_graphs.py's
         StaticDecodeInputs: the same tensors at the same addresses every step (a graph replays their addresses),
-        only their contents change. Each decode is one tile of one token: tile i is sequence i, token 0."""
-        from .kernels.attention import tile_rows
+        only their contents change. Each decode is one tile of one token: tile i is sequence i, token 0.
+        step27: query_len tokens per row (a verify step, StaticVerifyInputs): the mixed kernel's tiles of those
+        rows, cut once here, as the eager path cuts them (the tile map is a constant of the graph)."""
+        from .kernels.attention import tile_map, tile_rows
 
-        attn = AttentionMetadata(list(range(size + 1)), inputs.slot_mapping[:size], [], [])
+        q = query_len
+        attn = AttentionMetadata([i * q for i in range(size + 1)], inputs.slot_mapping[:size * q], [], [])
         tables, lens = inputs.block_tables[:size], inputs.seq_lens[:size]
         if num_splits > 1:
             attn.decode = DecodeMetadata(size, tables, lens, num_splits)
             return attn
         group = self.config.num_heads // self.config.num_kv_heads
-        block_m = tile_rows(1, group)
-        attn.mixed = MixedMetadata(tables, inputs.cu_seqlens_q[:size + 1], lens, 1, inputs.tile_seq[:size],
-                                   inputs.tile_first[:size], block_m)
+        block_m = tile_rows(q, group)
+        if q == 1:
+            tile_seq, tile_first = inputs.tile_seq[:size], inputs.tile_first[:size]
+        else:
+            tile_seq, tile_first = (t.to(self.device) for t in tile_map(torch.full((size,), q), block_m // group))
+        attn.mixed = MixedMetadata(tables, inputs.cu_seqlens_q[:size + 1], lens, q, tile_seq, tile_first, block_m)
         return attn
 
 

@@ -140,6 +140,7 @@ class DecodeGraphs:
         self.eager_runs = 0  # launch() without a graph (a CPU, or before capture)
         self.pool_bytes = 0  # device memory the graphs hold (their private memory pool), measured by capture()
         self.collectives: dict[int, tuple] = {}  # step22: what each graph's capture counted of the all-reduces
+        self.pool = None  # the graphs' memory pool, once captured (step27: the verify graphs record into it too)
 
     def forward(self, size: int) -> torch.Tensor:
         """The model on the static buffers' first `size` rows: what a graph records, and the eager path."""
@@ -153,7 +154,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
-        pool = None
+        pool = self.pool
         for size in reversed(self.sizes):
             self._fill_padding(size)
             self.forward(size)  # warm-up
@@ -166,6 +167,7 @@ class DecodeGraphs:
             self.model.tp.add(tuple(-n for n in self.collectives[size]))  # recorded, not run: count per replay
             pool = graph.pool()
             self.graphs[size] = graph
+        self.pool = pool
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the warm-ups' memory goes back; the graphs' pool stays
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
@@ -195,3 +197,111 @@ class DecodeGraphs:
             return self.logits[size][:num_rows]
         self.eager_runs += 1
         return self.forward(size)[:num_rows]
+
+
+# ---- step27: graphs for verify steps ---------------------------------------------------------------------------
+class StaticVerifyInputs(StaticDecodeInputs):
+    """The static buffers of a verify step: every row is `query_len` tokens (k + 1: a request's newest token and up
+    to k drafts), row i's at flat indices i * query_len ... A row with fewer drafts (or none: a plain decode) is
+    padded at its end: the padding tokens take the next positions, write their K/V to the scratch block, and their
+    logits are dropped. Causal attention keeps them harmless: a real token never attends to a later one. Padding
+    rows of the batch are query_len padding tokens at positions 0 .. query_len - 1, over the scratch block."""
+
+    def __init__(self, max_seqs: int, max_blocks: int, device: torch.device, query_len: int):
+        super().__init__(max_seqs, max_blocks, device)
+        self.query_len = q = query_len
+        pin = device.type == "cuda"
+        self.longs = torch.zeros(3, max_seqs * q, dtype=torch.int64, device=device)
+        self.host_longs = torch.zeros(3, max_seqs * q, dtype=torch.int64, pin_memory=pin)
+        self.input_ids, self.positions, self.slot_mapping = self.longs
+        self.cu_seqlens_q = torch.arange(max_seqs + 1, dtype=torch.int32, device=device) * q
+
+    def fill(self, work: list, tables, rows: list[int], size: int, block_size: int, scratch_block: int) -> None:
+        """work: (sequence, new tokens n <= query_len) pairs, each the sequence's newest n tokens (its newest token
+        and its drafts); rows: their rows in the runner's BlockTables. Rows padded to query_len tokens, the batch to
+        `size` rows, as the class says; then the two copies, queued."""
+        q, num = self.query_len, len(work)
+        if not 0 < num <= size <= self.max_seqs:
+            raise ValueError(f"fill: {num} sequences in a batch of {size} (at most {self.max_seqs})")
+        if self.copied is not None:
+            self.copied.synchronize()
+        starts = [seq.num_computed_tokens for seq, _ in work]
+        counts = [n for _, n in work]
+        ids, positions, real = [], [], []  # real: the flat index of every token that is not padding
+        for i, ((seq, n), start) in enumerate(zip(work, starts)):
+            ids += seq.token_ids[start:start + n] + [0] * (q - n)
+            positions += range(start, start + q)
+            real += range(i * q, i * q + n)
+        ids += [0] * ((size - num) * q)
+        positions += list(range(q)) * (size - num)
+        self.host_longs[:2, :size * q] = torch.tensor([ids, positions])
+        self.host_longs[2, :size * q] = scratch_block * block_size  # every padding token: the scratch block
+        real = torch.tensor(real)
+        self.host_longs[2, real] = tables.slots(rows, self.host_longs[1, real], counts, block_size)
+        self.host_lens[:size] = torch.tensor([start + q for start in starts] + [q] * (size - num), dtype=torch.int32)
+        gathered = tables.gather(rows, pinned=False)
+        if gathered.shape[1] > self.max_blocks:
+            raise ValueError(f"a block table of {gathered.shape[1]} blocks is wider than the graphs' {self.max_blocks}")
+        self.host_tables[:num, :gathered.shape[1]] = gathered
+        self.host_tables[num:size, 0] = scratch_block
+        self.longs.copy_(self.host_longs, non_blocking=True)
+        used = self.max_seqs + size * self.max_blocks
+        self.ints[:used].copy_(self.host_ints[:used], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        self.copies += 2
+
+
+class VerifyGraphs(DecodeGraphs):
+    """One CUDA graph per batch size for the verify forward: every row query_len tokens (StaticVerifyInputs), the
+    logits of every token returned. Recorded into the decode graphs' memory pool (pool), after them.
+
+    Sizes: graph_batch_sizes(max_seqs), where max_seqs is the largest batch that drafts with a graph (the engine's
+    choice); a larger batch, a prompt chunk in the step, or a row whose padding would pass the model's length
+    runs its verify step eagerly."""
+
+    def __init__(self, model, device: torch.device, max_seqs: int, query_len: int, block_size: int,
+                 scratch_block: int, max_blocks: int, pool=None):
+        self.query_len = query_len
+        self.model, self.device, self.block_size, self.scratch_block = model, device, block_size, scratch_block
+        self.sizes = graph_batch_sizes(max_seqs)
+        self.inputs = StaticVerifyInputs(self.sizes[-1], max_blocks, device, query_len)
+        backend = model.attention_backend
+        self.num_splits = {size: 1 for size in self.sizes}  # several tokens per row: the mixed kernel, never split
+        self.metadata = {size: backend.graph_metadata(self.inputs, size, 1, query_len) for size in self.sizes}
+        self.every_row = torch.arange(self.sizes[-1] * query_len, device=device)  # logits of every token
+        self.graphs, self.logits, self.collectives = {}, {}, {}
+        self.replays = self.eager_runs = self.pool_bytes = 0
+        self.pool = pool
+
+    def forward(self, size: int) -> torch.Tensor:
+        inputs, n = self.inputs, size * self.query_len
+        return self.model.forward(inputs.input_ids[:n], inputs.positions[:n], self.metadata[size],
+                                  self.every_row[:n])
+
+    def _fill_padding(self, size: int) -> None:
+        inputs, q = self.inputs, self.query_len
+        inputs.longs.zero_()
+        inputs.positions[:size * q] = torch.arange(q, device=self.device).repeat(size)
+        inputs.slot_mapping[:size * q] = self.scratch_block * self.block_size
+        inputs.seq_lens.fill_(q)
+        inputs.block_tables[:size].fill_(self.scratch_block)
+
+    def can_run(self, work: list) -> bool:
+        """Every row its sequence's newest n <= query_len tokens, whose padding stays inside the model's length and
+        the block tables' width; no more rows than the largest graph."""
+        q = self.query_len
+        max_len = min(self.model.config.max_position_embeddings, self.inputs.max_blocks * self.block_size)
+        return len(work) <= self.sizes[-1] and all(
+            n <= q and seq.num_computed_tokens + n == seq.num_tokens and seq.num_computed_tokens + q <= max_len
+            for seq, n in work)
+
+    def prepare(self, work: list, tables, rows: list[int]) -> int:
+        size = padded_size(len(work), self.sizes)
+        self.inputs.fill(work, tables, rows, size, self.block_size, self.scratch_block)
+        return size
+
+    def graph_rows(self, work: list, logits_rows: list[int]) -> list[int]:
+        """The eager flat batch's token indices (logits_rows) -> the same tokens' rows in the graph's output."""
+        where = [i * self.query_len + j for i, (_, n) in enumerate(work) for j in range(n)]
+        return [where[r] for r in logits_rows]

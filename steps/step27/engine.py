@@ -84,6 +84,9 @@ from .speculative import NgramProposer, SpeculativeConfig, accepted_runs, verify
 from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
 
 RequestStatus = SequenceStatus  # the name steps 05-13 exported; same states
+# step27: verify steps of up to this many requests replay a graph (fewer if disable_by_batch_size says so); a
+# larger batch's verify forward is compute, not launches, and runs eagerly
+VERIFY_GRAPH_MAX_SEQS = 32
 
 
 def check_enforce_eager(enforce_eager) -> bool:
@@ -160,6 +163,10 @@ class LLM:
                        max_kv_tokens=max_kv_tokens, block_size=block_size,
                        warmup_tokens=min(max_num_batched_tokens, config.max_position_embeddings),
                        gpu_memory_utilization=gpu_memory_utilization)
+        if self.speculative is not None:  # verify steps get graphs of k + 1 tokens per row, for the batches that draft
+            limit = self.speculative.disable_by_batch_size  # a step drafts below it: limit - 1 requests at most
+            largest = VERIFY_GRAPH_MAX_SEQS if limit is None else max(1, min(limit - 1, VERIFY_GRAPH_MAX_SEQS))
+            options["verify_graphs"] = (self.speculative.num_speculative_tokens + 1, largest)
         self.is_shut_down = False  # shutdown() sets it: nothing runs after
         self.workers: Workers | None = None
         if self.tensor_parallel_size == 1:
@@ -208,10 +215,14 @@ class LLM:
                       if self.async_scheduling else
                       "scheduling: sync (each step's tokens read before the next step is scheduled)")
         spec = self.speculative
+        verify_sizes = self.cuda_graphs.get("verify_sizes")
+        verify_graphs = (f"verify steps of up to {verify_sizes[-1]} requests replayed from {len(verify_sizes)} graphs "
+                         f"of {self.cuda_graphs['verify_query_len']} tokens per row, larger ones eager"
+                         if verify_sizes else "verify steps eager")
         speculation = (f"speculative decoding: ngram, up to {spec.num_speculative_tokens} drafts "
                        f"(lookup {spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens"
                        f"{f', off from {spec.disable_by_batch_size} running requests' if spec.disable_by_batch_size else ''}"
-                       "), steps with drafts eager" if spec is not None else "speculative decoding: off")
+                       f"), {verify_graphs}" if spec is not None else "speculative decoding: off")
         self.backend = (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), continuous batching + "
                         f"chunked prefill + preemption, paged KV ({num_blocks} blocks of {block_size}, KV dtype {kv}, "
                         f"sized by {self.memory['sized_by']}), "

@@ -291,14 +291,15 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                logits_rows: list[int] | None = None) -> torch.Tensor:
+                logits_rows: list[int] | torch.Tensor | None = None) -> torch.Tensor:
         """Every scheduled token of every sequence in one flat batch -> the next-token logits of each sequence.
 
         input_ids, positions: [N], the new tokens of S sequences side by side (a prefill chunk contributes its
         T tokens, a decode one) and their positions. attn: where each sequence's tokens are in the batch and
         where its K/V go and come from. -> [S, vocab], from each sequence's last token only.
         step27: logits_rows, the flat indices of the tokens whose logits are wanted (a speculative step: each of a
-        request's drafts and the token before them) -> [len(logits_rows), vocab], in that order.
+        request's drafts and the token before them; a list, or a device tensor: a captured verify step's) ->
+        [len(logits_rows), vocab], in that order.
         """
         c, ops, eps = self.config, self.ops, self.config.rms_norm_eps
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [N, head_dim], from the precomputed tables
@@ -314,7 +315,7 @@ class CausalLM:
             if layer + 1 < c.num_layers:  # x += MLP, then the next layer's input norm
                 h, x = ops.add_rms_norm(out, x, self.w[f"model.layers.{layer + 1}.input_layernorm.weight"], eps)
         if logits_rows is not None:  # step27: the rows asked for
-            rows = to_device(torch.tensor(logits_rows), x.device)
+            rows = logits_rows if isinstance(logits_rows, torch.Tensor) else to_device(torch.tensor(logits_rows), x.device)
             out, x = out[rows], x[rows]
         elif x.shape[0] != attn.num_seqs:  # some sequence has several new tokens: keep each one's last
             last = to_device(torch.tensor(attn.cu_seqlens_q[1:]) - 1, x.device)  # each sequence's last token

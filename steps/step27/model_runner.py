@@ -40,7 +40,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, VerifyGraphs
 from .kernels.sampling import draw_params, fused_draw, triton
 from .model import CausalLM, KVCache, to_device  # noqa: F401  (to_device: imported from here too)
 from .parallel import WorkerError
@@ -159,7 +159,8 @@ class BlockTables:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, timers, stats: dict,
-                 kv_cache_dtype: str = "auto", use_graphs: bool = False, max_num_seqs: int = 1, workers=None):
+                 kv_cache_dtype: str = "auto", use_graphs: bool = False, max_num_seqs: int = 1, workers=None,
+                 verify: tuple[int, int] | None = None):
         self.model, self.device, self.dtype = model, device, dtype
         self.kv_cache_dtype = kv_cache_dtype  # "auto" (the model's dtype) or "int8" (model.py's KVCache)
         self.timers = timers  # the engine's phase timers: "prepare inputs", "forward" and "sample" are ours
@@ -169,6 +170,9 @@ class ModelRunner:
         self.block_tables: BlockTables | None = None  # set with the cache (its width depends on the pool)
         self.use_graphs = use_graphs  # graphs: decided by the engine (CUDA only)
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
+        self.verify_graphs: VerifyGraphs | None = None  # step27: set by capture_graphs when speculation is on
+        # step27: (tokens per row: k + 1, the largest batch that drafts) of the verify graphs; None: no speculation
+        self.verify = None if verify is None else (verify[0], min(verify[1], max_num_seqs))
         self.scratch_block: int | None = None  # the cache block no sequence owns (padding rows write there)
         # the draw as one kernel (kernels/sampling.py) where the kernels run: CUDA, the triton backend's layer ops
         self.fused_sampler = (triton is not None and device.type == "cuda"
@@ -224,7 +228,7 @@ class ModelRunner:
         """Let go of the KV cache, the CUDA graphs (their private memory pool goes with them) and the block-table
         rows now, and hand the freed memory back to the device, so that a new engine in this process can have it
         at once rather than when the garbage collector finds this one. The runner runs no step after this."""
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         self.kv_cache = self.model.kv_cache = None
         self.block_tables = None
         if self.device.type == "cuda":
@@ -236,15 +240,25 @@ class ModelRunner:
         return min(-(-self.model.config.max_position_embeddings // block_size), self.kv_cache.data.shape[2])
 
     def capture_graphs(self, block_size: int) -> dict:
-        """Record the decode forward once per bucket (cuda_graphs.py), on the allocated cache. -> what was done."""
+        """Record the decode forward once per bucket (cuda_graphs.py), on the allocated cache. step27: with
+        speculation (self.verify), the verify forward's graphs too, in the same pool. -> what was done."""
         import time
 
         start = time.perf_counter()
         self.graphs = DecodeGraphs(self.model, self.device, self.max_num_seqs, block_size, self.scratch_block,
                                    self.max_table_blocks(block_size), self.model.config.max_position_embeddings)
         self.graphs.capture()
-        return {"sizes": self.graphs.sizes, "seconds": time.perf_counter() - start,
-                "pool_bytes": self.graphs.pool_bytes}
+        done = {"sizes": self.graphs.sizes, "pool_bytes": self.graphs.pool_bytes}
+        if self.verify is not None:
+            query_len, max_seqs = self.verify
+            self.verify_graphs = VerifyGraphs(self.model, self.device, max_seqs, query_len,
+                                              block_size, self.scratch_block, self.max_table_blocks(block_size),
+                                              pool=self.graphs.pool)
+            self.verify_graphs.capture()
+            done.update(verify_sizes=self.verify_graphs.sizes, verify_query_len=query_len)
+            done["pool_bytes"] += self.verify_graphs.pool_bytes
+        done["seconds"] = time.perf_counter() - start
+        return done
 
     def _graph_pool_bytes(self, block_size: int) -> int:
         """The memory the graphs will hold, measured: the largest bucket's graph captured on a cache of one block
@@ -254,6 +268,14 @@ class ModelRunner:
                              self.model.config.max_position_embeddings, sizes=[self.max_num_seqs])
         probe.capture()
         pool = probe.pool_bytes
+        if self.verify is not None:  # step27: the verify graphs' largest, in the same pool
+            query_len, max_seqs = self.verify
+            verify = VerifyGraphs(self.model, self.device, max_seqs, query_len, block_size, 0,
+                                  -(-query_len // block_size), pool=probe.pool)
+            verify.sizes = verify.sizes[-1:]
+            verify.capture()
+            pool += verify.pool_bytes
+            del verify
         del probe
         self.model.kv_cache = None
         torch.cuda.empty_cache()
@@ -343,6 +365,8 @@ class ModelRunner:
             raise
 
     def _execute(self, work: list[tuple[Sequence, int]], changes, logits_rows=None) -> torch.Tensor:
+        if logits_rows is not None and self.verify_graphs is not None and self.verify_graphs.can_run(work):
+            return self._replay_verify(work, changes, logits_rows)
         if logits_rows is None and self.graph_can_run(work):
             with self.timers.phase("prepare inputs"):
                 rows = self.block_tables.write(changes)  # the new blocks, in place
@@ -362,6 +386,21 @@ class ModelRunner:
             self.stats["forwards"] += 1
             self.stats["eager_forwards"] += 1
             return self.model.forward(input_ids, positions, attn, logits_rows)
+
+    def _replay_verify(self, work: list[tuple[Sequence, int]], changes, logits_rows: list[int]) -> torch.Tensor:
+        """step27: a verify step (drafting rows and decodes, no prompt chunk) in its bucket's graph: every row padded
+        to k + 1 tokens (cuda_graphs.py's VerifyGraphs); -> the logits of logits_rows, picked from the graph's."""
+        graphs = self.verify_graphs
+        with self.timers.phase("prepare inputs"):
+            rows = self.block_tables.write(changes)
+            size = graphs.prepare(work, self.block_tables, rows)
+            picked = to_device(torch.tensor(graphs.graph_rows(work, logits_rows)), self.device)
+        with self.timers.phase("forward"):
+            self.stats["forwards"] += 1
+            self.stats["graph_replays" if size in graphs.graphs else "eager_forwards"] += 1
+            self.stats["verify_replays"] += size in graphs.graphs
+            self.stats["padded_rows"] += size - len(work)
+            return graphs.launch(size, size * graphs.query_len)[picked]
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float], list]:
         """One sampler call for the batch: logits [B, vocab] -> (next token ids, their logprobs, and for each

@@ -41,17 +41,20 @@ def graphs_off_reason(enforce_eager: bool, device: torch.device, attention_backe
 
 def new_stats() -> dict:
     """The engine's counters. rows: summed. step21: graph_replays (forwards replayed from a graph), eager_forwards,
-    padded_rows (rows added to fill a bucket), syncs (waits for the GPU: one per step that samples, on CUDA)."""
+    padded_rows (rows added to fill a bucket), syncs (waits for the GPU: one per step that samples, on CUDA).
+    step27: verify_replays (verify steps replayed from a graph)."""
     return {"prefill_chunks": 0, "decode_steps": 0, "decode_rows": 0, "forwards": 0, "graph_replays": 0,
-            "eager_forwards": 0, "padded_rows": 0, "syncs": 0}
+            "eager_forwards": 0, "padded_rows": 0, "syncs": 0, "verify_replays": 0}
 
 
 def build_rank(model_dir, device: torch.device, tp: TensorParallel, dtype: torch.dtype, attention_backend: str,
                kv_cache_dtype: str, enforce_eager: bool, max_num_seqs: int, max_kv_tokens: int | None,
-               block_size: int, warmup_tokens: int, gpu_memory_utilization: float):
+               block_size: int, warmup_tokens: int, gpu_memory_utilization: float,
+               verify_graphs: tuple[int, int] | None = None):
     """One rank's model runner: its share of the model, the attention backend, the KV cache (sized, on CUDA, by a
     profiled forward) and the CUDA graphs. Rank 0 (the engine) and every worker run this same build, so the
-    collectives in its forwards meet. -> (runner, memory, cuda_graphs)."""
+    collectives in its forwards meet. step27: verify_graphs = (k + 1, the largest batch that drafts with a graph):
+    the verify steps' graphs too. -> (runner, memory, cuda_graphs)."""
     model = CausalLM.from_pretrained(model_dir, device, dtype, tp)
     # One object decides how attention runs: its metadata every step (the runner), its attention every layer
     # (the model). attention.py: TorchAttention (step14_7's loop) or TritonAttention (the kernels).
@@ -61,7 +64,7 @@ def build_rank(model_dir, device: torch.device, tp: TensorParallel, dtype: torch
         model.ops = TritonLayerOps()
     off = graphs_off_reason(enforce_eager, device, attention_backend)
     runner = ModelRunner(model, device, dtype, PhaseTimers(device), new_stats(), kv_cache_dtype,
-                         use_graphs=off is None, max_num_seqs=max_num_seqs)
+                         use_graphs=off is None, max_num_seqs=max_num_seqs, verify=verify_graphs)
     memory = runner.allocate_kv_cache(max_kv_tokens, block_size, warmup_tokens, gpu_memory_utilization)
     # CUDA graphs: captured now, on the allocated cache (the graphs record its addresses)
     graphs = {"enabled": off is None, "reason": off}
