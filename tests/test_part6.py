@@ -112,10 +112,15 @@ def counting(monkeypatch, module, name):
     return calls
 
 
-def mixed_requests(seed=5):
+def mixed_requests(seed=5, budget=None):
+    """Five prompts of 3 to 64 tokens, greedy answers of 6 to 10 tokens. At a token budget of 1 every step is one
+    token, a prompt's chunks included, so the two longest prompts would only add steps: the other three (their
+    contexts still long enough for flash decoding's lowered split rule)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (3, 17, 40, 9, 64)]
     params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=2) for i in range(5)]
+    if budget == 1:
+        return [prompts[i] for i in (0, 1, 3)], [params[i] for i in (0, 1, 3)]
     return prompts, params
 
 
@@ -124,7 +129,7 @@ def before_kernels_outputs(model, budget):
     """step14_7's outputs on mixed_requests() (options as in test_kernel_engine_equals_step14_7), computed once per
     test process: every kernel step is compared with the same run, and the tests only read it."""
     options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)
-    return load_engine(last_before("triton_prefill")).LLM(model, **options).generate(*mixed_requests())
+    return load_engine(last_before("triton_prefill")).LLM(model, **options).generate(*mixed_requests(budget=budget))
 
 
 @pytest.mark.parametrize("budget", [1, 7, 512])
@@ -142,7 +147,7 @@ def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
     decode = counting(monkeypatch, kernels(step, "decode"), "paged_decode_v2") if decodes_kernel else {"n": 0}
     split = counting(monkeypatch, kernels(step, "decode"), "flash_decode") if splits else {"n": 0}
     looped = counting(monkeypatch, backends, "grouped_attention")
-    prompts, params = mixed_requests()
+    prompts, params = mixed_requests(budget=budget)
     options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4)
     expected = before_kernels_outputs(model, budget)
     llm = load_engine(step).LLM(model, attention_backend="triton", **options)

@@ -93,7 +93,7 @@ def work_counter(llm):
 @pytest.mark.parametrize("budget", [1, 7, 512])
 @pytest.mark.parametrize("model", ["random:tiny-llama", "random:tiny-qwen3"])
 def test_mixed_engine_equals_step17_with_one_launch_per_layer(model, budget):
-    prompts, params = mixed_requests()
+    prompts, params = mixed_requests(budget=budget)
     options = dict(device="cpu", max_num_batched_tokens=budget, max_num_seqs=4, attention_backend="triton")
     expected = load_engine(BEFORE).LLM(model, **options).generate(prompts, params)
     llm = load_engine(MIXED).LLM(model, **options)

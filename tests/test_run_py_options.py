@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from conftest import ROOT, STEPS
-from registry import part_ends
+from registry import NEWEST
 
 # The steps whose run.py runs Triton kernels in its lesson (in the interpreter on a CPU).
 KERNEL_STEPS = [s for s in STEPS if "interpreter_off_cuda(args)" in (ROOT / "steps" / s / "run.py").read_text()]
@@ -13,9 +13,9 @@ KERNEL_STEPS = [s for s in STEPS if "interpreter_off_cuda(args)" in (ROOT / "ste
 
 def run_py(step, args, capsys, monkeypatch):
     """`python steps/<step>/run.py args...` -> (exit status, stdout, stderr). As tests/test_scripts.py's test_run_py:
-    the last step of each Part runs as the real command, in a fresh process; the others in this process (runpy,
+    the newest step runs as the real command, in a fresh process; the others in this process (runpy,
     patched argv), where an exception other than SystemExit, a traceback in a process, fails the test."""
-    if step in part_ends():
+    if step == NEWEST:
         proc = subprocess.run([sys.executable, f"steps/{step}/run.py", *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=300)
         return proc.returncode, proc.stdout, proc.stderr
