@@ -16,6 +16,11 @@ from shared.cli import REPEATS, format_table, int_at_least, runs_differ, step_ar
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
              "List three uses of a paperclip.", "Why is the sky blue?", "How do bees make honey?",
              "What is a prime number?", "Describe a cat in one sentence."]
+# A copy-heavy task (step27's speculative decoding): the answer is mostly the given text again, its typos fixed.
+TYPO_PARAGRAPH = ("Teh library opens at nine in the morning and closes at six in the evening. Members may borow up to "
+                  "five books at a time, for three weeks. Books can be renewed online, unless another member has "
+                  "reserved them. Late returns cost ten cents a day, and the reading room is quiet at all times.")
+FIX_THE_TYPOS = f"Rewrite this paragraph with its spelling mistakes fixed, and change nothing else:\n\n{TYPO_PARAGRAPH}"
 
 
 def anatomy_arg_parser(description: str):

@@ -36,13 +36,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from shared import SamplingParams  # noqa: E402
-from shared.anatomy import QUESTIONS  # noqa: E402
+from shared.anatomy import FIX_THE_TYPOS, QUESTIONS  # noqa: E402
 from shared.bench import STANDARD_QUESTIONS, nano_vllm_workload  # noqa: E402
 from shared.cli import format_table  # noqa: E402
 
-PARAGRAPH = ("Teh library opens at nine in the morning and closes at six in the evening. Members may borow up to "
-             "five books at a time, for three weeks. Books can be renewed online, unless another member has "
-             "reserved them. Late returns cost ten cents a day, and the reading room is quiet at all times.")
 CODE = '''def count_words(text):
     x = {}
     for word in text.split():
@@ -51,7 +48,7 @@ CODE = '''def count_words(text):
             x[word] = x.get(word, 0) + 1
     return sorted(x.items(), key=lambda item: -item[1])
 '''
-COPY_HEAVY = [f"Rewrite this paragraph with its spelling mistakes fixed, and change nothing else:\n\n{PARAGRAPH}",
+COPY_HEAVY = [FIX_THE_TYPOS,
               f"Refactor this function: rename the variable x to counts. Show the whole function.\n\n{CODE}",
               f"Repeat this function exactly.\n\n{CODE}"]
 LINES: list[str] = []

@@ -4,8 +4,8 @@ forward: the accepted ones and one token more are emitted, the KV of the rejecte
 stay exactly those of step26.
 
 The lesson runs --requests chat questions at once through step26 and this step (the phases side by side), then one
-request at a time (where a decode leaves the device idle most): a copy-heavy request (the model is asked to repeat a
-given piece of code) and a chat question, each through step26 and this step, alternated, with the outputs compared
+request at a time (where a decode leaves the device idle most): a copy-heavy request (the model is asked to rewrite a
+given paragraph with its typos fixed) and a chat question, each through step26 and this step, alternated, with the outputs compared
 and the drafts counted."""
 import statistics
 import sys
@@ -19,26 +19,14 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
     __package__ = "steps." + Path(__file__).parent.name
 
 from shared import SamplingParams
-from shared.anatomy import QUESTIONS, anatomy_arg_parser, before_after, compared_options, demo_options, step_module
+from shared.anatomy import (FIX_THE_TYPOS, QUESTIONS, anatomy_arg_parser, before_after, compared_options, demo_options,
+                            step_module)
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
 
 SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-CODE = '''def moving_average(values, window):
-    """The mean of every window of consecutive values."""
-    if window <= 0:
-        raise ValueError("window must be positive")
-    sums, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        if i >= window - 1:
-            sums.append(total / window)
-    return sums
-'''
-WORKLOADS = {"copy-heavy": f"Repeat this function exactly, then say what it does.\n\n{CODE}", "chat": QUESTIONS[0]}
+WORKLOADS = {"copy-heavy": FIX_THE_TYPOS, "chat": QUESTIONS[0]}
 REPEATS = 3
 
 
@@ -91,7 +79,7 @@ def show_lesson(llm, args) -> None:
     if not equal:
         raise SystemExit("error: step27's outputs differ from step26's on the same requests")
     print("The outputs are equal, token for token. Mean accepted length: the tokens a verify step emits for one "
-          "request (its accepted drafts and the target's own token). Text that repeats itself (the code to copy) is "
+          "request (its accepted drafts and the target's own token). Text that repeats itself (the paragraph to fix) is "
           "where n-grams find drafts; a chat answer finds fewer.")
     old.shutdown()
 
