@@ -204,7 +204,9 @@ class StaticVerifyInputs(StaticDecodeInputs):
     """The static buffers of a verify step: every row is `query_len` tokens (k + 1: a request's newest token and up
     to k drafts), row i's at flat indices i * query_len ... A row with fewer drafts (or none: a plain decode) is
     padded at its end: the padding tokens take the next positions, write their K/V to the scratch block, and their
-    logits are dropped. Causal attention keeps them harmless: a real token never attends to a later one. Padding
+    logits are dropped. Causal attention keeps them harmless: a real token never attends to a later one. (A padding
+    token past its request's blocks reads whatever the stale block-table entries point at, even values that
+    overflow: only its own row sees them, and every operator but attention works row by row.) Padding
     rows of the batch are query_len padding tokens at positions 0 .. query_len - 1, over the scratch block."""
 
     def __init__(self, max_seqs: int, max_blocks: int, device: torch.device, query_len: int):
