@@ -467,7 +467,10 @@ class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto"):
         quantized = check_kv_cache_dtype(kv_cache_dtype) == "int8"
-        self.data = torch.empty((2, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+        # step27: zeros, not empty. A verify graph's padding tokens attend past their request's tokens (cuda_graphs.py's
+        # StaticVerifyInputs), and the kernel loads those keys and values for the real tokens of the same tile too,
+        # weighted 0: a NaN in memory never written would make 0 x NaN = NaN there. Written memory is finite.
+        self.data = torch.zeros((2, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim),
                                 device=device, dtype=torch.int8 if quantized else dtype)
         self.k = list(self.data[0])  # per layer: [num_blocks, block_size, kv_heads, head_dim]
         self.v = list(self.data[1])
