@@ -105,6 +105,11 @@ class StaticDecodeInputs:
         self.host_longs[2, :num] = tables.slots(rows, self.host_longs[1, :num], [1] * num, block_size)
         self.host_longs[2, num:size] = scratch_block * block_size
         self.host_lens[:size] = torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32)
+        self.copy_tables_and_queue(tables, rows, num, size, scratch_block)
+
+    def copy_tables_and_queue(self, tables, rows: list[int], num: int, size: int, scratch_block: int) -> None:
+        """The end of a fill: the rows' block tables gathered into the staging (padding rows: the scratch block),
+        then the two copies queued."""
         gathered = tables.gather(rows, pinned=False)  # [num, widest], copied into the staging next
         if gathered.shape[1] > self.max_blocks:
             raise ValueError(f"a block table of {gathered.shape[1]} blocks is wider than the graphs' {self.max_blocks}")
@@ -241,17 +246,7 @@ class StaticVerifyInputs(StaticDecodeInputs):
         real = torch.tensor(real)
         self.host_longs[2, real] = tables.slots(rows, self.host_longs[1, real], counts, block_size)
         self.host_lens[:size] = torch.tensor([start + q for start in starts] + [q] * (size - num), dtype=torch.int32)
-        gathered = tables.gather(rows, pinned=False)
-        if gathered.shape[1] > self.max_blocks:
-            raise ValueError(f"a block table of {gathered.shape[1]} blocks is wider than the graphs' {self.max_blocks}")
-        self.host_tables[:num, :gathered.shape[1]] = gathered
-        self.host_tables[num:size, 0] = scratch_block
-        self.longs.copy_(self.host_longs, non_blocking=True)
-        used = self.max_seqs + size * self.max_blocks
-        self.ints[:used].copy_(self.host_ints[:used], non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
-        self.copies += 2
+        self.copy_tables_and_queue(tables, rows, num, size, scratch_block)
 
 
 class VerifyGraphs(DecodeGraphs):
