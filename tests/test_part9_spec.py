@@ -10,6 +10,7 @@ On the CPU, the tiny random models of both families (in CI):
 - a bad speculative_config is a ValueError naming the field.
 """
 import collections
+import random
 
 import pytest
 import torch
@@ -39,7 +40,10 @@ def sampling(**kw):
 
 
 def spec_llm(model=QWEN, config=None, **options):
-    return load_engine(SPEC).LLM(model, speculative_config=dict(NGRAM, **(config or {})), **{**OPTIONS, **options})
+    """step27 with every step drafting (disable_by_batch_size None, unless config says): the checks hold at any batch
+    size, not only below the engine's own limit (tested on its own below)."""
+    config = {**NGRAM, "disable_by_batch_size": None, **(config or {})}
+    return load_engine(SPEC).LLM(model, speculative_config=config, **{**OPTIONS, **options})
 
 
 def prompts_of(n: int) -> list[str]:
@@ -291,10 +295,29 @@ def test_a_bad_speculative_config_is_a_value_error_naming_the_field(config, fiel
 
 
 def test_speculation_refuses_async_scheduling_and_tensor_parallelism():
-    with pytest.raises(ValueError, match="async_scheduling"):  # every step drafts: none can overlap
-        load_engine(SPEC).LLM(TINY, speculative_config=NGRAM, async_scheduling=True, **OPTIONS)
+    always = dict(NGRAM, disable_by_batch_size=None)  # every step drafts: none can overlap
+    with pytest.raises(ValueError, match="async_scheduling"):
+        load_engine(SPEC).LLM(TINY, speculative_config=always, async_scheduling=True, **OPTIONS)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         load_engine(SPEC).LLM(TINY, speculative_config=NGRAM, tensor_parallel_size=2, **OPTIONS)
+
+
+def test_the_engine_turns_drafting_off_by_itself_from_the_batch_size_it_states():
+    """A config that names no disable_by_batch_size gets the engine's own (speculative.DISABLE_BY_BATCH_SIZE): the
+    engine's line states it, async scheduling is allowed, and with that many requests in the engine no step
+    drafts. The outputs stay step26's."""
+    limit = step_module(SPEC, "speculative").DISABLE_BY_BATCH_SIZE
+    llm = load_engine(SPEC).LLM(QWEN, speculative_config=NGRAM, **{**OPTIONS, "async_scheduling": True})
+    assert llm.speculative.disable_by_batch_size == limit
+    assert f"off from {limit} running requests" in llm.backend
+    prompts = prompts_of(limit)
+    params = sampling(temperature=0, max_tokens=6, ignore_eos=True)
+    want = load_engine(BEFORE).LLM(QWEN, **OPTIONS).generate(prompts, params)
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.stats["spec_disabled_steps"] > 0 and llm.stats["spec_proposed"] == 0, llm.stats
+    llm.generate(PROMPTS[:1], sampling(temperature=0, max_tokens=24, ignore_eos=True))  # alone: it drafts
+    assert llm.stats["spec_proposed"] > 0
 
 
 def test_the_proposer_finds_the_longest_ngram_and_its_continuation():
@@ -305,6 +328,34 @@ def test_the_proposer_finds_the_longest_ngram_and_its_continuation():
     assert proposer.propose([5, 6, 7, 8]) == []  # no n-gram of 2..4 occurs before
     assert proposer.propose([7, 7, 7, 7, 7, 7]) == [7, 7]  # a loop: no match has 4 after it, the earliest
     assert proposer.propose([1, 2, 8, 1, 2, 9, 1, 2], k=1) == [9]  # the latest occurrence with k tokens after it
+
+
+def lookup_by_hand(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """The proposer's rule, written as plainly as it reads: the longest n first, every earlier window compared."""
+    if k <= 0 or len(tokens) <= n_min:
+        return []
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+        if starts:
+            full = [s for s in starts if s + n + k <= len(tokens)]
+            follow = (full[-1] if full else starts[0]) + n
+            return tokens[follow:follow + k]
+    return []
+
+
+def test_the_proposer_equals_the_lookup_written_by_hand():
+    """The proposer matches every n at once (one array narrowed per round); on 3,000 random token lists, small
+    vocabularies (many matches, loops) and large, it proposes what the plain search does."""
+    spec = step_module(SPEC, "speculative")
+    rng = random.Random(27)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice([2, 3, 5, 50])) for _ in range(rng.randint(0, 40))]
+        n_min = rng.randint(1, 3)
+        n_max, k = rng.randint(n_min, 5), rng.randint(0, 6)
+        config = spec.SpeculativeConfig(num_speculative_tokens=max(k, 1), prompt_lookup_max=n_max,
+                                        prompt_lookup_min=n_min)
+        got = spec.NgramProposer(config).propose(tokens, k)
+        assert got == lookup_by_hand(tokens, k, n_max, n_min), (tokens, k, n_max, n_min)
 
 
 def test_the_engine_core_process_streams_what_step26_makes_with_drafts():
@@ -344,7 +395,8 @@ def test_gpu_greedy_outputs_follow_step26_up_to_bf16_near_ties():
     options = dict(device="cuda", max_kv_tokens=16384, max_num_seqs=16)
     params = sampling(temperature=0, max_tokens=64, ignore_eos=True, logprobs=TOP_K_NEAR_TIE)
     runs = []
-    for step, extra in ((BEFORE, {}), (SPEC, {"speculative_config": NGRAM})):
+    always = dict(NGRAM, disable_by_batch_size=None)  # 8 requests: their verify steps replay a graph of 8
+    for step, extra in ((BEFORE, {}), (SPEC, {"speculative_config": always})):
         llm = load_engine(step).LLM("random:qwen3-0.6b", **options, **extra)
         outs = llm.generate(PROMPTS, params)
         runs.append({"token_ids": [o.outputs[0].token_ids for o in outs],

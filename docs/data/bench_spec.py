@@ -17,13 +17,18 @@ tokens per forward are step27's over all its runs.
 --verify-cost: the time of one forward for one request with k = 0 (a decode; also replayed as a CUDA graph, on a
 GPU) .. 8 drafts, after a prompt of 256 tokens, the median of 20: eager, and (on a GPU, k < --k + 1) replayed from
 the verify graph, whose rows are --k + 1 tokens.
---nano-vllm: shared/bench.py's nano-vllm workload (sampled, as nano-vllm runs it) through step26, step27 with
-speculation, and step27 with speculation and disable_by_batch_size (the engine's own switch), alternated.
+--batch-sweep B ..: B requests at once, greedy, through step26 and step27 drafting in every step
+(disable_by_batch_size None), for each B: where drafting stops paying.
+--nano-vllm: shared/bench.py's nano-vllm workload (sampled, as nano-vllm runs it; 256 seats, a budget of 16,384
+tokens) through step26 and step27 with its default disable_by_batch_size (or --disable-by-batch-size), alternated;
+with --nano-always, step27 drafting in every step too.
+Each part builds its engines and shuts them down before the next.
 --out PREFIX writes PREFIX.json and PREFIX.txt (this output).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -52,6 +57,9 @@ COPY_HEAVY = [FIX_THE_TYPOS,
               f"Refactor this function: rename the variable x to counts. Show the whole function.\n\n{CODE}",
               f"Repeat this function exactly.\n\n{CODE}"]
 LINES: list[str] = []
+# the engine options of the project's nano-vllm runs (shared/bench.py --max-num-seqs 256 --max-num-batched-tokens
+# 16384): every one of the 256 requests has a seat, and a step holds nano-vllm's token budget
+NANO_OPTIONS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384}
 
 
 def say(text: str = "") -> None:
@@ -161,33 +169,78 @@ def verify_cost(args, new) -> dict:
     llm.abort_request("cost")
     rows = [[k, f"{times[k]:.3f}", f"{times[k] / times[0]:.2f}", f"{graphed[k]:.3f}" if k in graphed else "-",
              f"{graphed[k] / graph:.2f}" if k in graphed else "-"] for k in times]
-    say(f"\nthe forward of one request after a 256-token prompt, with k drafts (k + 1 tokens), median of 20, ms: eager, "
-        f"and replayed from the verify graph ({verify_graphs.query_len if verify_graphs else 'none'} tokens per row); "
-        f"a decode replayed from its graph: {f'{graph:.3f} ms' if graph is not None else 'no graphs here'}")
+    say("\nthe forward of one request after a 256-token prompt, with k drafts (k + 1 tokens), median of 20, ms:")
+    say(f"eager, and replayed from the verify graph ({verify_graphs.query_len if verify_graphs else 'none'} tokens "
+        f"per row); a decode replayed from its graph: {f'{graph:.3f} ms' if graph is not None else 'no graphs here'}")
     say(format_table(["k", "eager ms", "vs k = 0", "graph ms", "vs a decode's graph"], rows))
     return {"ms": times, "graph_ms": graphed, "decode_graph_ms": graph}
 
 
-def nano_vllm(args, old, new, switched) -> dict:
-    prompts, params = nano_vllm_workload(new.tokenizer)
+def batch_sweep(args, old, new) -> dict:
+    """B requests at once (greedy, --max-tokens each, EOS ignored; the copy-heavy, chat and standard prompts in
+    turn), for each B of --batch-sweep: step26 against step27 drafting in every step (disable_by_batch_size None),
+    alternated --repeats times. Where the ratio falls below 1, drafting costs more than it gives."""
+    tok = new.tokenizer
+    chat = lambda qs: [tok.apply_chat_template([{"role": "user", "content": q}]) for q in qs]  # noqa: E731
+    pool = chat(COPY_HEAVY + QUESTIONS + STANDARD_QUESTIONS)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for llm in (old, new):  # warm-up: the shapes
+        llm.generate(pool[:2], SamplingParams(temperature=0, max_tokens=8))
+    results, rows = {}, []
+    for b in args.batch_sweep:
+        prompts = [pool[i % len(pool)] for i in range(b)]
+        before = dict(new.stats)
+        runs = {"step26": [], "step27": []}
+        for _ in range(args.repeats):
+            for label, llm in (("step26", old), ("step27", new)):
+                sync(llm.device)
+                start = time.perf_counter()
+                outs = llm.generate(prompts, [sp] * b)
+                sync(llm.device)
+                runs[label].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+        s = {k: new.stats[k] - before[k] for k in ("spec_accepted", "spec_verified", "forwards", "emitted_tokens",
+                                                    "verify_replays", "spec_steps")}
+        med = {label: statistics.median(v) for label, v in runs.items()}
+        results[b] = {"tokens_per_s": runs, "median_tokens_per_s": med, "speedup": med["step27"] / med["step26"],
+                      **s, "mean_accepted_length": 1 + s["spec_accepted"] / max(s["spec_verified"], 1)}
+        rows.append([b, f"{med['step26']:.0f}", f"{med['step27']:.0f}", f"{med['step27'] / med['step26']:.2f}x",
+                     f"{results[b]['mean_accepted_length']:.2f}",
+                     f"{s['verify_replays']} of {s['spec_steps']}"])
+    say(f"\nB requests at once (greedy, {args.max_tokens} new tokens each), {args.repeats} runs each, alternated; "
+        f"tokens/s of the median run;")
+    say(f"step27 drafts in every step (up to {args.k} drafts, disable_by_batch_size None)")
+    say(format_table(["B", "step26 tok/s", "step27 tok/s", "speed-up", "mean accepted length",
+                      "verify steps from a graph"], rows))
+    return results
+
+
+def nano_vllm(args, old, switched, always=None) -> dict:
+    prompts, params = nano_vllm_workload(old.tokenizer)
     prompts, params = prompts[:args.nano_requests], params[:args.nano_requests]
-    runs = {"step26": [], "step27": [], "step27 switched": []}
-    for llm in (old, new, switched):  # warm-up: the shapes
+    engines = {"step26": old, "step27": switched, **({"step27 always": always} if always is not None else {})}
+    runs = {label: [] for label in engines}
+    limit = switched.speculative.disable_by_batch_size
+    for llm in engines.values():  # warm-up: the shapes
         llm.generate(prompts[:8], SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16))
+    before = dict(switched.stats)  # its steps that drafted and that did not, in the timed runs
     for _ in range(args.nano_repeats):
-        for label, llm in (("step26", old), ("step27", new), ("step27 switched", switched)):
+        for label, llm in engines.items():
             sync(llm.device)
             start = time.perf_counter()
             outs = llm.generate(prompts, params)
             sync(llm.device)
             runs[label].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
     med = {label: statistics.median(v) for label, v in runs.items()}
-    say(f"\nnano-vllm's workload ({len(prompts)} requests, sampled at 0.6, as its bench.py), {args.nano_repeats} runs each, "
-        f"alternated, median tokens/s: step26 {med['step26']:.0f}, step27 with drafts {med['step27']:.0f} "
-        f"({med['step27'] / med['step26']:.2f}x), step27 with disable_by_batch_size={args.disable_by_batch_size} "
-        f"{med['step27 switched']:.0f} ({med['step27 switched'] / med['step26']:.2f}x)")
-    return {"tokens_per_s": runs, "median_tokens_per_s": med}
-
+    say(f"\nnano-vllm's workload ({len(prompts)} requests, sampled at 0.6, as its bench.py), {args.nano_repeats} runs "
+        f"each, alternated,\n{NANO_OPTIONS}, median tokens/s:\n  step26 {med['step26']:.0f}\n"
+        f"  step27 with disable_by_batch_size={limit}{' (its default)' if args.disable_by_batch_size is None else ''}: "
+        f"{med['step27']:.0f} ({med['step27'] / med['step26']:.2f}x), "
+        f"{switched.stats['spec_steps'] - before['spec_steps']} of its steps drafted, "
+        f"{switched.stats['spec_disabled_steps'] - before['spec_disabled_steps']} did not")
+    if always is not None:
+        say(f"  step27 drafting in every step: {med['step27 always']:.0f} "
+            f"({med['step27 always'] / med['step26']:.2f}x)")
+    return {"tokens_per_s": runs, "median_tokens_per_s": med, "disable_by_batch_size": limit}
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,10 +253,14 @@ def main() -> None:
     p.add_argument("--no-batch1", action="store_true", help="leave the batch-1 workloads out")
     p.add_argument("--workloads", nargs="+", default=["copy-heavy", "chat", "standard"],
                    choices=["copy-heavy", "chat", "standard"], help="the batch-1 workloads (default: all three)")
+    p.add_argument("--batch-sweep", type=int, nargs="+", default=[], metavar="B",
+                   help="B requests at once, for each B given: step26 against step27 drafting in every step")
     p.add_argument("--nano-vllm", action="store_true")
     p.add_argument("--nano-repeats", type=int, default=3)
+    p.add_argument("--nano-always", action="store_true", help="also step27 drafting in every step (slow)")
     p.add_argument("--nano-requests", type=int, default=256, help="the first N of its 256 requests (a quick check)")
-    p.add_argument("--disable-by-batch-size", type=int, default=8)
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="the third nano-vllm engine's (default: the engine's own)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.28, help="each engine's share on a GPU")
     p.add_argument("--out", type=Path, required=True, help="PREFIX: writes PREFIX.json and PREFIX.txt")
     args = p.parse_args()
@@ -213,19 +270,42 @@ def main() -> None:
     config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     # on a GPU each engine's share counts what the engines built before it hold: the n-th asks for n shares
     share = lambda n: dict(device=args.device, gpu_memory_utilization=n * args.gpu_memory_utilization)  # noqa: E731
-    old = Before(args.model, **share(1))
-    new = After(args.model, speculative_config=config, **share(2))
-    say(f"step27 backend: {new.backend}")
     say(f"command: python docs/data/bench_spec.py {' '.join(sys.argv[1:])}\n")
-    result = {"command": " ".join(sys.argv), "device": str(new.device), "model": args.model, "k": args.k}
-    if not args.no_batch1:
-        result["batch1"] = batch_one(args, old, new)
-    if args.verify_cost:
-        result["verify_cost"] = verify_cost(args, new)
+    result = {"command": " ".join(sys.argv), "model": args.model, "k": args.k}
+
+    def section(name, engines, run):
+        """Build the engines (the n-th asks for n shares on a GPU), run, then shut them down before the next."""
+        built = [cls(args.model, **options, **share(n)) for n, (cls, options) in enumerate(engines, 1)]
+        say(f"[{name}] step27 backend: {built[1].backend}")
+        result["device"] = str(built[0].device)
+        result[name] = run(*built)
+        for llm in built:
+            llm.shutdown()
+        del built
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    drafting = {"speculative_config": config}  # the engine's own disable_by_batch_size
+    always = {"speculative_config": {**config, "disable_by_batch_size": None}}  # drafts in every step
+    if not args.no_batch1 or args.verify_cost:
+        def small(old, new):
+            out = {"batch1": batch_one(args, old, new)} if not args.no_batch1 else {}
+            if args.verify_cost:
+                out["verify_cost"] = verify_cost(args, new)
+            return out
+        section("batch 1", [(Before, {}), (After, always)], small)
+    if args.batch_sweep:
+        seats = {"max_num_seqs": max(args.batch_sweep)}
+        section("batch sweep", [(Before, seats), (After, {**always, **seats})],
+                lambda old, new: batch_sweep(args, old, new))
     if args.nano_vllm:
-        switched = After(args.model, speculative_config={**config, "disable_by_batch_size": args.disable_by_batch_size},
-                         **share(3))
-        result["nano_vllm"] = nano_vllm(args, old, new, switched)
+        switched = drafting if args.disable_by_batch_size is None else {
+            "speculative_config": {**config, "disable_by_batch_size": args.disable_by_batch_size}}
+        engines = [(Before, NANO_OPTIONS), (After, {**switched, **NANO_OPTIONS})]
+        if args.nano_always:
+            engines.append((After, {**always, **NANO_OPTIONS}))
+        section("nano-vllm", engines, lambda *built: nano_vllm(args, *built))
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     args.out.with_suffix(".txt").write_text("\n".join(LINES) + "\n")
 

@@ -55,10 +55,12 @@ Added by step, oldest first (each step's outputs equal the one before it, with t
   drafts are checked so that the outputs are exactly the target's (_verify: greedy, accept while equal; sampling,
   the rejection rule), 1 to k + 1 tokens are emitted, and the rejected drafts' KV is rolled back: only the accepted
   tokens count as computed, and the blocks past them go back to the pool (block_manager.trim). A step with drafts
-  runs eagerly (the graphs hold one token per request) and synchronously (the next step's drafts need this step's
-  tokens). With disable_by_batch_size, a step with that many requests in the engine drafts nothing and runs as
-  step26's, overlapped when async_scheduling is on (a step in flight is read before drafting resumes); without it,
-  async_scheduling is off. Not with tensor parallelism in this step.
+  replays a verify graph (k + 1 tokens per row, cuda_graphs.py) up to VERIFY_GRAPH_MAX_SEQS requests, eagerly
+  above, and runs synchronously (the next step's drafts need this step's tokens). From disable_by_batch_size
+  requests in the engine (speculative.DISABLE_BY_BATCH_SIZE unless the config names one) a step drafts nothing and
+  runs as step26's, overlapped when async_scheduling is on (a step in flight is read before drafting resumes); with
+  disable_by_batch_size None every step may draft, and async_scheduling is off. Not with tensor parallelism in this
+  step.
 """
 from __future__ import annotations
 
@@ -137,8 +139,8 @@ class LLM:
                 raise ValueError("speculative_config: not with tensor_parallel_size > 1 in this step")
             if self.speculative.disable_by_batch_size is None:  # every step may draft: no step overlaps
                 if async_scheduling:
-                    raise ValueError("speculative_config without disable_by_batch_size needs async_scheduling off: "
-                                     "a step's drafts are looked up in the tokens of the step before, read first")
+                    raise ValueError("speculative_config with disable_by_batch_size None needs async_scheduling "
+                                     "off: a step's drafts are looked up in the tokens of the step before, read first")
                 async_scheduling = False
         self.proposer = NgramProposer(self.speculative) if self.speculative is not None else None
         self.enforce_eager = check_enforce_eager(enforce_eager)
@@ -406,8 +408,9 @@ class LLM:
 
     # ---- step27: speculative decoding -------------------------------------------------------------------------
     def _drafting(self) -> bool:
-        """Does this step draft? Always, unless disable_by_batch_size is set and at least that many requests are in
-        the engine (running or waiting): then the step runs as step26's, overlapped if async_scheduling is on."""
+        """Does this step draft? Not when at least disable_by_batch_size requests are in the engine (running or
+        waiting; speculative.DISABLE_BY_BATCH_SIZE unless the config says): then the step runs as step26's,
+        overlapped if async_scheduling is on. Always, when the config sets it to None."""
         limit = self.speculative.disable_by_batch_size
         if limit is None or len(self.scheduler.running) + len(self.scheduler.waiting) < limit:
             return True

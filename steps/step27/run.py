@@ -50,7 +50,12 @@ def timed(llm, prompt, tokens: int) -> tuple[list[int], float]:
 
 
 def show_lesson(llm, args) -> None:
+    drafted = llm.stats["spec_steps"]
     before_after("step26", "step27", llm, args)  # the chat questions, --requests at once
+    limit = llm.speculative.disable_by_batch_size
+    if limit is not None and args.requests >= limit:
+        print(f"Drafting is off from {limit} requests in the engine (disable_by_batch_size), so with {args.requests} "
+              f"these are step26's steps: {llm.stats['spec_steps'] - drafted} of step27's steps drafted.")
     old = step_module("step26", "engine").LLM(args.model, device=args.device, dtype=args.dtype,
                                                **compared_options(args))
     rows, equal = [], True

@@ -38,18 +38,24 @@ import torch
 from .sampler import _to_device, draw, processed_probs, uniforms
 
 ACCEPT_SALT, RESIDUAL_SALT = 0x5EC0_0001, 0x5EC0_0002  # the accept test's and the residual draw's keys
+# The engine's own disable_by_batch_size, when the config does not name one: from this many requests in the engine a
+# step drafts nothing. On the H200 (docs/data/bench_spec.py --batch-sweep, qwen3-0.6b, drafting in every step),
+# 1 and 2 requests at once were faster with drafts, 4 about even, 8 and more slower: a step that drafts runs
+# synchronously, and its verify forward costs more as the batch grows, while the decodes it replaces overlap.
+DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's speculative_config for n-gram drafts: {"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}, plus "disable_by_batch_size" (vLLM's name too): no drafts in a
-    step when at least that many requests run (None: always draft)."""
+    step when at least that many requests are in the engine. Left out, it is DISABLE_BY_BATCH_SIZE; None: every step
+    may draft (vLLM's default)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DISABLE_BY_BATCH_SIZE
     method: str = "ngram"
 
     @classmethod
@@ -77,7 +83,7 @@ class SpeculativeConfig:
         if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
             raise ValueError(f"speculative_config['prompt_lookup_min'] ({values['prompt_lookup_min']}) must be <= "
                              f"prompt_lookup_max ({values['prompt_lookup_max']})")
-        limit = config.get("disable_by_batch_size")
+        limit = config.get("disable_by_batch_size", DISABLE_BY_BATCH_SIZE)  # None, given: every step may draft
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"speculative_config['disable_by_batch_size'] must be an int >= 1 or None, got {limit!r}")
         return cls(disable_by_batch_size=limit, **values)
@@ -91,23 +97,35 @@ class NgramProposer:
         self.k, self.n_max, self.n_min = config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min
 
     def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
-        """-> up to k (default: the config's) draft tokens, [] when no n-gram of the last tokens occurs before."""
+        """-> up to k (default: the config's) draft tokens, [] when no n-gram of the last tokens occurs before.
+
+        One pass over the tokens for every n at once: match[e] says that the j + 1 tokens ending at index e equal
+        the last j + 1 tokens; it is narrowed one token further back each round (j = 0, 1, ..), so round n - 1
+        leaves the n-gram matches. A window ends before the last token (e <= len - 2)."""
         k = self.k if k is None else k
-        if k <= 0 or len(token_ids) <= self.n_min:
+        last = len(token_ids) - 1
+        if k <= 0 or last < self.n_min:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
-            # every window of n tokens that ends before the last token, against the last n tokens
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if len(starts):
-                # the latest match that k tokens follow (the most recent context); if none has k after it (a loop
-                # matches right behind the end), the earliest, which has the most
-                full = starts[starts + n + k <= len(tokens)]
-                follow = int(full[-1] if len(full) else starts[0]) + n  # the first draft's index
-                return tokens[follow:follow + k].tolist()
-        return []
-
+        match = tokens[:last] == tokens[last]  # [last]: windows of 1 token, by their end e
+        found = None  # the ends of the matches of the longest n >= n_min so far
+        for j in range(min(self.n_max, last)):  # round j: windows of n = j + 1 tokens
+            if j:
+                match[j:] &= tokens[:last - j] == tokens[last - j]
+                match[j - 1] = False  # a window of j + 1 tokens cannot end before index j
+            ends = np.flatnonzero(match)
+            if not len(ends):
+                break
+            if j + 1 >= self.n_min:
+                found = ends
+        if found is None:
+            return []
+        ends = found
+        # the latest match that k tokens follow (the most recent context); if none has k after it (a loop matches
+        # right behind the end), the earliest, which has the most
+        full = ends[ends + 1 + k <= len(token_ids)]
+        follow = int(full[-1] if len(full) else ends[0]) + 1  # the first draft's index
+        return tokens[follow:follow + k].tolist()
 
 def verify(logits: torch.Tensor, seqs: list, drafts: list[list[int]], positions: list[int]):
     """The target's verdict on every request's drafts, computed on the device.
@@ -128,8 +146,8 @@ def verify(logits: torch.Tensor, seqs: list, drafts: list[list[int]], positions:
             seeds_of.append(seq.seed)
             pos_of.append(pos + j)
             last_of.append(j == len(ds))
-    draft_t = _to_device(torch.tensor(draft_of), device)  # [T]
-    is_last = _to_device(torch.tensor(last_of), device)  # [T] bool
+    draft_t, is_last = _to_device(torch.tensor([draft_of, last_of]), device)  # [T] each: one copy for both
+    is_last = is_last.bool()
     log_probs = torch.log_softmax(logits, dim=-1)  # [T, vocab]
     draft_logprob = log_probs.gather(1, draft_t[:, None])[:, 0]
     greedy = [sp.greedy for sp in params_of]
