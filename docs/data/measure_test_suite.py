@@ -89,7 +89,9 @@ def project(data: dict) -> dict:
             "projection": [{"steps": n, "parts": p, "full_wall_s": round(projected(n, p), 1),
                             "full_minutes": round(projected(n, p) / 60, 1),
                             "ci_minutes": round((setup + projected(n, p)) / 60, 1) if setup else None}
-                           for n, p in ((len(STEPS), parts_now), (28, parts_now + 1), (32, parts_now + 3))]}
+                           # now; one step more; a Part of three steps more (the targets follow the steps there are)
+                           for n, p in ((len(STEPS), parts_now), (len(STEPS) + 1, parts_now),
+                                        (len(STEPS) + 3, parts_now + 1))]}
 
 
 def main() -> None:
