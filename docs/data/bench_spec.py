@@ -1,8 +1,10 @@
 """step27's measurements: speculative decoding with n-gram drafts against step26, in one call.
 
     python docs/data/bench_spec.py --model smollm2-135m --max-tokens 128 --repeats 3 --out docs/data/raw/cpu_step27_spec
-    python3 docs/data/bench_spec.py --model random:qwen3-0.6b --max-tokens 256 --repeats 3 --verify-cost --nano-vllm \\
-        --out h200_step27_spec                                                           (on a GPU)
+    python3 docs/data/bench_spec.py --model random:qwen3-0.6b --max-tokens 128 --repeats 3 --verify-cost --nano-vllm \\
+        --gpu-memory-utilization 0.3 --out h200_step27_spec_graphs                      (on a GPU)
+    python3 docs/data/bench_spec.py --model random:qwen3-0.6b --max-tokens 128 --repeats 3 --no-batch1 \\
+        --batch-sweep 1 2 4 8 16 32 64 --gpu-memory-utilization 0.3 --out h200_step27_sweep
 
 Batch 1 (one request at a time, greedy), three workloads:
     copy-heavy   the model is given a text and asked to repeat, edit or refactor it: a paragraph to rewrite with its
