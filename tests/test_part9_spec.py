@@ -23,6 +23,7 @@ BEFORE = "step26"
 QWEN = "random:tiny-qwen3"
 OPTIONS = dict(device="cpu", dtype="float32", max_kv_tokens=4096, max_num_seqs=16)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+ALWAYS = {**NGRAM, "disable_by_batch_size": None}  # every step may draft, at any batch size
 # prompts that repeat themselves (words, a list, a sentence, code), and two that do not
 PROMPTS = ["the the the the the the",
            "- apples\n- pears\n- plums\n- apples\n- pears\n-",
@@ -42,7 +43,7 @@ def sampling(**kw):
 def spec_llm(model=QWEN, config=None, **options):
     """step27 with every step drafting (disable_by_batch_size None, unless config says): the checks hold at any batch
     size, not only below the engine's own limit (tested on its own below)."""
-    config = {**NGRAM, "disable_by_batch_size": None, **(config or {})}
+    config = {**ALWAYS, **(config or {})}
     return load_engine(SPEC).LLM(model, speculative_config=config, **{**OPTIONS, **options})
 
 
@@ -295,9 +296,8 @@ def test_a_bad_speculative_config_is_a_value_error_naming_the_field(config, fiel
 
 
 def test_speculation_refuses_async_scheduling_and_tensor_parallelism():
-    always = dict(NGRAM, disable_by_batch_size=None)  # every step drafts: none can overlap
-    with pytest.raises(ValueError, match="async_scheduling"):
-        load_engine(SPEC).LLM(TINY, speculative_config=always, async_scheduling=True, **OPTIONS)
+    with pytest.raises(ValueError, match="async_scheduling"):  # every step drafts: none can overlap
+        load_engine(SPEC).LLM(TINY, speculative_config=ALWAYS, async_scheduling=True, **OPTIONS)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         load_engine(SPEC).LLM(TINY, speculative_config=NGRAM, tensor_parallel_size=2, **OPTIONS)
 
@@ -395,8 +395,7 @@ def test_gpu_greedy_outputs_follow_step26_up_to_bf16_near_ties():
     options = dict(device="cuda", max_kv_tokens=16384, max_num_seqs=16)
     params = sampling(temperature=0, max_tokens=64, ignore_eos=True, logprobs=TOP_K_NEAR_TIE)
     runs = []
-    always = dict(NGRAM, disable_by_batch_size=None)  # 8 requests: their verify steps replay a graph of 8
-    for step, extra in ((BEFORE, {}), (SPEC, {"speculative_config": always})):
+    for step, extra in ((BEFORE, {}), (SPEC, {"speculative_config": ALWAYS})):  # 8 requests: a verify graph of 8
         llm = load_engine(step).LLM("random:qwen3-0.6b", **options, **extra)
         outs = llm.generate(PROMPTS, params)
         runs.append({"token_ids": [o.outputs[0].token_ids for o in outs],

@@ -108,24 +108,24 @@ class NgramProposer:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
         match = tokens[:last] == tokens[last]  # [last]: windows of 1 token, by their end e
-        found = None  # the ends of the matches of the longest n >= n_min so far
+        ends = None  # the ends of the matches of the longest n >= n_min so far
         for j in range(min(self.n_max, last)):  # round j: windows of n = j + 1 tokens
             if j:
                 match[j:] &= tokens[:last - j] == tokens[last - j]
                 match[j - 1] = False  # a window of j + 1 tokens cannot end before index j
-            ends = np.flatnonzero(match)
-            if not len(ends):
+            longer = np.flatnonzero(match)
+            if not len(longer):
                 break
             if j + 1 >= self.n_min:
-                found = ends
-        if found is None:
+                ends = longer
+        if ends is None:
             return []
-        ends = found
         # the latest match that k tokens follow (the most recent context); if none has k after it (a loop matches
         # right behind the end), the earliest, which has the most
         full = ends[ends + 1 + k <= len(token_ids)]
         follow = int(full[-1] if len(full) else ends[0]) + 1  # the first draft's index
         return tokens[follow:follow + k].tolist()
+
 
 def verify(logits: torch.Tensor, seqs: list, drafts: list[list[int]], positions: list[int]):
     """The target's verdict on every request's drafts, computed on the device.
