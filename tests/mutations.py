@@ -361,18 +361,26 @@ MUTATIONS = [
         "            seq.num_computed_tokens += len(ds) + 1",
         ("tests/test_part9_spec.py::test_kv_blocks_balance_after_every_step_of_rejections_preemption_and_abort",)),
     Mutation(
-        "step27-accept-on-mismatch", "step27's greedy verdict accepts a draft the target's argmax disagrees with",
+        "step27-accept-on-mismatch", "step27's verdict accepts a draft that differs from the target's token",
         "steps/step27/speculative.py",
-        "    accept = argmax == draft_t\n",
-        "    accept = torch.ones_like(draft_t, dtype=torch.bool)\n",
+        "    accept = target == draft_t  # a last row's -1 never equals a token\n",
+        "    accept = draft_t >= 0\n",
         ("tests/test_part9_spec.py::test_greedy_outputs_equal_step26_with_drafts_accepted",)),
     Mutation(
-        "step27-sampler-always-accepts", "step27's sampled verdict accepts every draft (no accept test against p(x))",
+        "step27-sampler-always-accepts", "step27's sampled verdict accepts every draft (no draw from p to compare)",
         "steps/step27/speculative.py",
-        "        ok = u_accept < p_x\n",
-        "        ok = u_accept >= 0\n",
+        "        target = target.index_put((index,), draw(p, u))\n",
+        "        target = target.index_put((index,), torch.where(draft_t[index] >= 0, draft_t[index], draw(p, u)))\n",
         ("tests/test_part9_spec.py::test_verify_keeps_the_target_distribution",
          "tests/test_part9_spec.py::test_sampled_outputs_follow_step26s_distribution")),
+    Mutation(
+        "step27-draw-salted", "step27's sampled verdict draws with a key of its own, not the plain step's for that "
+        "place (the tokens still follow p, but a seed's tokens depend on whether the request drafted)",
+        "steps/step27/speculative.py",
+        "        u = _to_device(uniforms([seeds_of[r] for r in sampled], [pos_of[r] for r in sampled]), device)  # [S]\n",
+        "        u = _to_device(uniforms([seeds_of[r] ^ 0x5EC0 for r in sampled], [pos_of[r] for r in sampled]), device)\n",
+        ("tests/test_part9_spec.py::test_a_seeded_sampled_request_gets_step26s_tokens_alone_in_a_batch_and_under_"
+         "budget_pressure",)),
     # GPU: the CUDA-graph path fills PENDING places in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a PENDING input id instead of the "

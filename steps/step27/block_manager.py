@@ -81,6 +81,11 @@ class BlockManager:
             needed -= sum(self.blocks[b].ref_count > 0 for b, _ in self._cached_prefix(request))
         return needed <= self.num_free_blocks
 
+    def can_allocate_empty(self, request, num_tokens: int) -> bool:
+        """step27: could request's block table grow to num_tokens tokens with blocks that hold nothing cached? (A
+        draft's block must not evict the prefix cache.) Taking blocks takes the empty ones first."""
+        return self.blocks_for(num_tokens) - len(request.block_table) <= len(self.empty)
+
     def can_append(self, request) -> bool:
         """Is there room for request's newest token: a free slot in its last block, or a free block?"""
         return self.can_allocate(request, request.num_tokens)

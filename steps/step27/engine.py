@@ -51,15 +51,16 @@ Added by step, oldest first (each step's outputs equal the one before it, with t
 - step27: speculative decoding with n-gram drafts, speculative_config={"method": "ngram", "num_speculative_tokens":
   k, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (vLLM's option; speculative.py). Before a step's forward each
   decoding request may get up to k drafts, looked up in its own tokens (_propose); it then runs as a chunk of k + 1
-  tokens in the same mixed forward, whose logits at every one of those places the model returns (logits_rows). The
-  drafts are checked so that the outputs are exactly the target's (_verify: greedy, accept while equal; sampling,
-  the rejection rule), 1 to k + 1 tokens are emitted, and the rejected drafts' KV is rolled back: only the accepted
-  tokens count as computed, and the blocks past them go back to the pool (block_manager.trim). A step with drafts
-  replays a verify graph (k + 1 tokens per row, cuda_graphs.py) up to VERIFY_GRAPH_MAX_SEQS requests, eagerly
-  above, and runs synchronously (the next step's drafts need this step's tokens). From disable_by_batch_size
-  requests in the engine (speculative.DISABLE_BY_BATCH_SIZE unless the config names one) a step drafts nothing and
-  runs as step26's, overlapped when async_scheduling is on (a step in flight is read before drafting resumes); with
-  disable_by_batch_size None every step may draft, and async_scheduling is off. Not with tensor parallelism in this
+  tokens in the same mixed forward, whose logits at every one of those places the model returns (logits_rows). At
+  every place the target's token is computed as a plain step computes it (the argmax, or the draw with that place's
+  own key), and the drafts pass while they equal it (_verify): 1 to k + 1 tokens are emitted, exactly the plain
+  decode's, and the rejected drafts' KV is rolled back: only the accepted tokens count as computed, and the blocks
+  past them go back to the pool (block_manager.trim). A step with drafts replays a verify graph (k + 1 tokens per
+  row, cuda_graphs.py) up to VERIFY_GRAPH_MAX_SEQS requests, eagerly above, and runs synchronously (the next step's
+  drafts need this step's tokens). A step in which no request can get drafts runs as step26's, overlapped when
+  async_scheduling is on: from disable_by_batch_size requests in the engine (speculative.DISABLE_BY_BATCH_SIZE
+  unless the config names one; None: never), and when no running request's known tokens end in an n-gram that
+  occurs before (_may_draft). A step in flight is read before drafting resumes. Not with tensor parallelism in this
   step.
 """
 from __future__ import annotations
@@ -132,16 +133,10 @@ class LLM:
                  tensor_parallel_size: int = 1, async_scheduling: bool | None = None,
                  speculative_config: dict | None = None):
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)  # "auto" or "int8", checked before anything loads
-        # step27: n-gram drafts; the steps are then synchronous, on one rank
+        # step27: n-gram drafts, on one rank; a step that drafts is synchronous
         self.speculative = SpeculativeConfig.parse(speculative_config)
-        if self.speculative is not None:
-            if tensor_parallel_size != 1:
-                raise ValueError("speculative_config: not with tensor_parallel_size > 1 in this step")
-            if self.speculative.disable_by_batch_size is None:  # every step may draft: no step overlaps
-                if async_scheduling:
-                    raise ValueError("speculative_config with disable_by_batch_size None needs async_scheduling "
-                                     "off: a step's drafts are looked up in the tokens of the step before, read first")
-                async_scheduling = False
+        if self.speculative is not None and tensor_parallel_size != 1:
+            raise ValueError("speculative_config: not with tensor_parallel_size > 1 in this step")
         self.proposer = NgramProposer(self.speculative) if self.speculative is not None else None
         self.enforce_eager = check_enforce_eager(enforce_eager)
         check_tensor_parallel_size(tensor_parallel_size)  # its type now; how it splits the model once it is found
@@ -196,9 +191,10 @@ class LLM:
         self.stats.update(discarded_tokens=0, overlapped_launches=0)
         # step27: drafts proposed and accepted; requests verified (a chunk of drafts each) and the tokens they
         # emitted; runs a stop cut short; steps with drafts; steps that drafted nothing because of
-        # disable_by_batch_size; every emitted token
+        # disable_by_batch_size, or because no request could get drafts (they overlap); every emitted token
         self.stats.update(spec_proposed=0, spec_accepted=0, spec_verified=0, spec_emitted=0, spec_cut=0,
-                          spec_steps=0, spec_disabled_steps=0, emitted_tokens=0)
+                          spec_steps=0, spec_disabled_steps=0, spec_undraftable_steps=0,
+                          emitted_tokens=0)
         self.max_model_len = self.model.config.max_position_embeddings
         num_blocks = self.memory["num_blocks"]
         if self.cuda_graphs["enabled"]:
@@ -344,6 +340,9 @@ class LLM:
 
     def _step(self, partial: bool = False) -> list[RequestOutput]:
         drafting = self.speculative is not None and self._drafting()
+        if drafting and self.async_scheduling and not self._may_draft():
+            drafting = False  # step27: no request can get drafts: the step runs overlapped, as step26's
+            self.stats["spec_undraftable_steps"] += 1
         if drafting and self.in_flight is not None:  # step27: drafts need every token read: read the step in flight
             step_n, self.in_flight = self.in_flight, None
             return self._read_step(step_n, partial)
@@ -417,10 +416,16 @@ class LLM:
         self.stats["spec_disabled_steps"] += 1
         return False
 
+    def _may_draft(self) -> bool:
+        """Could a running request get drafts in the next step? Its newest token may still be on the device (a
+        step in flight): the proposer rules drafts out on the tokens known (NgramProposer.may_propose)."""
+        with self.timers.phase("schedule"):
+            return any(self.proposer.may_propose(seq.token_ids, seq.num_pending) for seq in self.scheduler.running)
+
     def _propose(self, work) -> dict[int, list[int]]:
         """Drafts for the step's decoding requests: each gets up to k, within what is left of the token budget,
         what max_tokens leaves (a step emits at most drafts + 1) and the free blocks (no one is preempted for a
-        guess). The drafts join the sequence's token_ids for this step only, and blocks are taken for their KV.
+        guess, and no cached block is evicted for one). The drafts join the sequence's token_ids for this step only, and blocks are taken for their KV.
         -> {index in work: drafts}."""
         cfg, bm = self.speculative, self.block_manager
         budget = self.scheduler.max_num_batched_tokens - sum(n for _, n in work)
@@ -433,7 +438,8 @@ class LLM:
                     continue
                 k = min(cfg.num_speculative_tokens, budget, seq.params.max_tokens - len(seq.output_ids) - 1)
                 drafts = self.proposer.propose(seq.token_ids, k) if k > 0 else []
-                while drafts and not bm.can_allocate(seq, seq.num_tokens + len(drafts)):
+                # empty blocks only: a draft never evicts a cached block (a rejection would hand it back empty)
+                while drafts and not bm.can_allocate_empty(seq, seq.num_tokens + len(drafts)):
                     drafts.pop()
                 if not drafts:
                     continue
@@ -458,7 +464,7 @@ class LLM:
             flat = [first_row[i] + j for i in index for j in range(len(spec[i]) + 1)]
             rows = logits[to_device(torch.tensor(flat), logits.device)] if len(flat) < len(logits) else logits
             positions = [len(seq.output_ids) for seq in seqs]  # the output index of each request's first draft
-            accept, target, draft_lp, target_lp, log_probs = verify(rows, seqs, drafts, positions)
+            accept, target, target_lp, log_probs = verify(rows, seqs, drafts, positions)
             asked: dict[int, list[int]] = {}  # logprobs=n: the top n of every row of those requests
             row = 0
             for seq, ds in zip(seqs, drafts):
@@ -470,19 +476,18 @@ class LLM:
                 picked = log_probs[to_device(torch.tensor(rs), log_probs.device)]
                 values, ids = picked.topk(n, dim=-1) if n > 0 else (picked[:, :0], picked[:, :0].long())
                 tops += [values, ids]
-            accept, target, draft_lp, target_lp, *top_lists = self.runner.read_back(
-                self.runner.start_read_back(accept, target, draft_lp, target_lp, *tops))
+            accept, target, target_lp, *top_lists = self.runner.read_back(
+                self.runner.start_read_back(accept, target, target_lp, *tops))
             top_of: dict[int, dict] = {}
             for k, rs in enumerate(asked.values()):
                 for r, values, ids in zip(rs, top_lists[2 * k], top_lists[2 * k + 1]):
                     top_of[r] = dict(zip(ids, values))
-        runs = accepted_runs(accept, target, draft_lp, target_lp, drafts)
+        runs = accepted_runs(accept, target, target_lp, drafts)
         for seq, ds, (tokens, _, _) in zip(seqs, drafts, runs):
             del seq.token_ids[len(seq.token_ids) - len(ds):]  # the drafts leave; the accepted ones come back below
             seq.num_computed_tokens += len(tokens)  # the newest token and the accepted drafts (len(tokens) - 1)
             self.stats["spec_verified"] += 1
             self.stats["spec_accepted"] += len(tokens) - 1
-            self.stats["spec_emitted"] += len(tokens)
         recorded = [0] * len(seqs)
         for j in range(max(len(t) for t, _, _ in runs)):  # the j-th token of every run, through the stop checks
             live = [i for i, (seq, run) in enumerate(zip(seqs, runs)) if len(run[0]) > j and seq.finish is None]
@@ -494,10 +499,13 @@ class LLM:
             for i in live:
                 recorded[i] += 1
         self.stats["spec_cut"] += sum(n < len(run[0]) for n, run in zip(recorded, runs))  # a stop inside a run
+        self.stats["spec_emitted"] += sum(recorded)  # the tokens returned: none past a stop
         with self.timers.phase("schedule"):
             for seq in seqs:
-                if seq.finish is None:
-                    self.block_manager.cache_full_blocks(seq)  # the drafts are gone: accepted tokens only
+                # a run cut by a stop leaves every token it kept computed (each is an accepted draft)
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                self.block_manager.cache_full_blocks(seq)  # the drafts are gone: accepted tokens only; a request
+                if seq.finish is None:  # that finished here registers them too, before its blocks are released
                     self.block_manager.trim(seq, seq.num_tokens)  # the blocks taken for rejected drafts
 
     def chat(self, conversations, sampling_params=None) -> list[RequestOutput]:

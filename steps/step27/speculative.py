@@ -13,15 +13,15 @@ occurrence with k tokens after it are the drafts (the earliest occurrence when n
 match sits right behind the end), up to k of them. It costs no model: text that repeats itself (code being edited, a
 passage being summarised, a list) is where it finds drafts. A request with no match decodes as usual in the step.
 
-Accepting, so that the outputs are exactly the target's (verify):
-- greedy: accept while the target's argmax equals the draft; the first mismatch emits the argmax. The tokens are the
-  ones a plain greedy decode makes.
-- sampling: the draft is a point mass on x. Accept it with probability p(x), p being the target's distribution
-  after temperature, min-p, top-k and top-p, exactly as a plain step draws from. On a rejection, draw from p with x
-  removed, renormalised. Each emitted token then follows p exactly (Leviathan et al.; Chen et al.). The random
-  numbers are counter-based, keyed by the request's seed and the token's position (sampler.py's uniforms), with one
-  salt for the accept test and one for the draw after a rejection: a seeded request gets the same tokens alone or
-  in a batch, given the same drafts.
+Accepting, so that the outputs are exactly the target's (verify): at every place the target's own token is
+computed as a plain decode step would compute it there (greedy: the argmax; sampling: a draw from p, the
+distribution after temperature, min-p, top-k and top-p, with the random number a plain step uses for that place,
+keyed by the request's seed and the token's position: sampler.py's uniforms). A draft passes while it equals that
+token; at the first that does not, the target's token is emitted and the run ends; when every draft passes, the
+last place gives a bonus token. For a sampled request this is the rejection rule for a draft that is a point mass on
+x (Leviathan et al.; Chen et al.): x is accepted with probability p(x), and a rejection emits a token drawn from p
+without x, renormalised. Every emitted token is the one the plain step would have drawn, so a seeded request gets
+the same tokens with or without drafts, alone or in any batch, whatever decides how many drafts a step has.
 
 The KV of the rejected drafts: their slots were written by the forward. The engine counts as computed only the
 newest token and the accepted drafts, and gives back the blocks past the request's tokens (block_manager.trim), so
@@ -37,7 +37,6 @@ import torch
 
 from .sampler import _to_device, draw, processed_probs, uniforms
 
-ACCEPT_SALT, RESIDUAL_SALT = 0x5EC0_0001, 0x5EC0_0002  # the accept test's and the residual draw's keys
 # The engine's own disable_by_batch_size, when the config does not name one: from this many requests in the engine a
 # step drafts nothing. On the H200 (docs/data/bench_spec.py --batch-sweep, qwen3-0.6b, drafting in every step),
 # 1 and 2 requests at once were faster with drafts, 4 about even, 8 and more slower: a step that drafts runs
@@ -97,27 +96,12 @@ class NgramProposer:
         self.k, self.n_max, self.n_min = config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min
 
     def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
-        """-> up to k (default: the config's) draft tokens, [] when no n-gram of the last tokens occurs before.
-
-        One pass over the tokens for every n at once: match[e] says that the j + 1 tokens ending at index e equal
-        the last j + 1 tokens; it is narrowed one token further back each round (j = 0, 1, ..), so round n - 1
-        leaves the n-gram matches. A window ends before the last token (e <= len - 2)."""
+        """-> up to k (default: the config's) draft tokens, [] when no n-gram of the last tokens occurs before."""
         k = self.k if k is None else k
-        last = len(token_ids) - 1
-        if k <= 0 or last < self.n_min:
+        if k <= 0 or len(token_ids) - 1 < self.n_min:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        match = tokens[:last] == tokens[last]  # [last]: windows of 1 token, by their end e
-        ends = None  # the ends of the matches of the longest n >= n_min so far
-        for j in range(min(self.n_max, last)):  # round j: windows of n = j + 1 tokens
-            if j:
-                match[j:] &= tokens[:last - j] == tokens[last - j]
-                match[j - 1] = False  # a window of j + 1 tokens cannot end before index j
-            longer = np.flatnonzero(match)
-            if not len(longer):
-                break
-            if j + 1 >= self.n_min:
-                ends = longer
+        ends = match_ends(tokens, self.n_min, self.n_max)
         if ends is None:
             return []
         # the latest match that k tokens follow (the most recent context); if none has k after it (a loop matches
@@ -126,75 +110,89 @@ class NgramProposer:
         follow = int(full[-1] if len(full) else ends[0]) + 1  # the first draft's index
         return tokens[follow:follow + k].tolist()
 
+    def may_propose(self, token_ids: list[int], num_unknown: int) -> bool:
+        """Could propose() find drafts once the last num_unknown tokens (sampled on the device, not read yet) are
+        known? A match of n tokens that ends at the last token starts with n - num_unknown known tokens that end at
+        the newest known one and occur earlier, among known tokens. So when the last n_min - num_unknown known tokens
+        occur nowhere before, no draft can come, whatever the unknown tokens are: -> False. True when they do (a
+        draft may come), and always when num_unknown >= n_min (nothing known to rule one out)."""
+        n = self.n_min - num_unknown
+        if n < 1:
+            return True
+        known = token_ids[:len(token_ids) - num_unknown]
+        if len(known) - 1 < n:
+            return False
+        return match_ends(np.asarray(known, dtype=np.int64), n, n) is not None
+
+
+def match_ends(tokens: np.ndarray, n_min: int, n_max: int) -> np.ndarray | None:
+    """Where the last n tokens occur earlier, for the longest n in n_min..n_max that does: the indices at which
+    those earlier windows end (each before the last token), or None when no n >= n_min occurs before.
+
+    One pass for every n at once: match[e] says that the j + 1 tokens ending at index e equal the last j + 1 tokens;
+    it is narrowed one token further back each round (j = 0, 1, ..), so round n - 1 leaves the n-gram matches."""
+    last = len(tokens) - 1
+    match = tokens[:last] == tokens[last]  # [last]: windows of 1 token, by their end e
+    ends = None  # the ends of the matches of the longest n >= n_min so far
+    for j in range(min(n_max, last)):  # round j: windows of n = j + 1 tokens
+        if j:
+            match[j:] &= tokens[:last - j] == tokens[last - j]
+            match[j - 1] = False  # a window of j + 1 tokens cannot end before index j
+        longer = np.flatnonzero(match)
+        if not len(longer):
+            break
+        if j + 1 >= n_min:
+            ends = longer
+    return ends
+
 
 def verify(logits: torch.Tensor, seqs: list, drafts: list[list[int]], positions: list[int]):
     """The target's verdict on every request's drafts, computed on the device.
 
     logits: [T, vocab], each request's k_i + 1 rows in order (the row before draft j predicts draft j; the last row
     predicts the token after the last draft). positions[i]: the output index of request i's first draft.
-    -> device tensors, one entry per row: accept [T] bool (the draft of that row passes; False on a last row),
-    target [T] (the token to emit if the request stops at that row: the residual draw, or the argmax for greedy
-    rows, or on a last row a plain draw), draft_logprob [T] and target_logprob [T] (raw log-softmax, as a plain
-    step reports them), and log_softmax [T, vocab] for the top-n logprobs."""
-    device, vocab = logits.device, logits.shape[-1]
-    rows_of, draft_of, params_of, seeds_of, pos_of, last_of = [], [], [], [], [], []
-    for i, (seq, ds, pos) in enumerate(zip(seqs, drafts, positions)):
+    -> device tensors, one entry per row: target [T] (the token a plain step computes at that place: the argmax for
+    a greedy request, else a draw from p with that place's plain key), accept [T] bool (the row's draft equals its
+    target; False on a last row), target_logprob [T] (raw log-softmax, as a plain step reports it), and log_softmax
+    [T, vocab] for the top-n logprobs."""
+    device = logits.device
+    draft_of, params_of, seeds_of, pos_of, last_of = [], [], [], [], []
+    for seq, ds, pos in zip(seqs, drafts, positions):
         for j in range(len(ds) + 1):
-            rows_of.append(i)
-            draft_of.append(ds[j] if j < len(ds) else 0)
+            draft_of.append(ds[j] if j < len(ds) else -1)  # a last row has no draft: -1 equals no token
             params_of.append(seq.params)
             seeds_of.append(seq.seed)
             pos_of.append(pos + j)
             last_of.append(j == len(ds))
-    draft_t, is_last = _to_device(torch.tensor([draft_of, last_of]), device)  # [T] each: one copy for both
-    is_last = is_last.bool()
+    draft_t = _to_device(torch.tensor(draft_of), device)  # [T]
     log_probs = torch.log_softmax(logits, dim=-1)  # [T, vocab]
-    draft_logprob = log_probs.gather(1, draft_t[:, None])[:, 0]
-    greedy = [sp.greedy for sp in params_of]
-    argmax = torch.argmax(logits, dim=-1)  # [T]
-    accept = argmax == draft_t
-    target = argmax
-    sampled = [r for r, g in enumerate(greedy) if not g]
-    if sampled:  # the rejection rule, on the sampled rows only
+    target = torch.argmax(logits, dim=-1)  # [T]: the greedy rows' token
+    sampled = [r for r, sp in enumerate(params_of) if not sp.greedy]
+    if sampled:  # the sampled rows: each place's plain draw (sampler.sample_batch's, row by row)
         index = _to_device(torch.tensor(sampled), device)
-        p = processed_probs(logits[index], [params_of[r] for r in sampled])  # [S, vocab], as a plain step draws
-        x = draft_t[index]
-        seeds = [seeds_of[r] for r in sampled]
-        pos = [pos_of[r] for r in sampled]
-        u_accept = _to_device(uniforms([s ^ ACCEPT_SALT for s in seeds], pos), device)
-        u_residual = _to_device(uniforms([s ^ RESIDUAL_SALT for s in seeds], pos), device)
-        u_plain = _to_device(uniforms(seeds, pos), device)  # a last row: the key a plain step's draw has
-        p_x = p.gather(1, x[:, None])[:, 0].double()
-        ok = u_accept < p_x
-        residual = p.scatter(1, x[:, None], 0.0)  # p without x (the draw renormalises: it scales by the total)
-        last = is_last[index]
-        drawn = torch.where(last, draw(p, u_plain), draw(residual, u_residual))
-        accept = accept.index_put((index,), ok)
-        target = target.index_put((index,), drawn)
-    accept = accept & ~is_last
+        p = processed_probs(logits[index], [params_of[r] for r in sampled])  # [S, vocab]
+        u = _to_device(uniforms([seeds_of[r] for r in sampled], [pos_of[r] for r in sampled]), device)  # [S]
+        target = target.index_put((index,), draw(p, u))
+    accept = target == draft_t  # a last row's -1 never equals a token
     target_logprob = log_probs.gather(1, target[:, None])[:, 0]
-    return accept, target, draft_logprob, target_logprob, log_probs
+    return accept, target, target_logprob, log_probs
 
 
-def accepted_runs(accept: list[bool], target: list[int], draft_lp: list[float], target_lp: list[float],
+def accepted_runs(accept: list[bool], target: list[int], target_lp: list[float],
                   drafts: list[list[int]]) -> list[tuple[list[int], list[float], list[int]]]:
-    """Host side of verify: per request -> (the tokens to emit: the accepted drafts, then the target's token at the
-    first rejected row or the bonus row; their logprobs; the row each came from)."""
+    """Host side of verify: per request -> (the tokens to emit: the targets of the accepted rows, which are their
+    drafts, then the target of the first rejected row or of the bonus row; their logprobs; the row each came
+    from)."""
     out, row = [], 0
     for ds in drafts:
         tokens, lps, rows = [], [], []
         for j in range(len(ds) + 1):
             r = row + j
-            if j < len(ds) and accept[r]:
-                tokens.append(ds[j])
-                lps.append(draft_lp[r])
-                rows.append(r)
-                continue
             tokens.append(target[r])
             lps.append(target_lp[r])
             rows.append(r)
-            break
+            if not accept[r]:
+                break
         out.append((tokens, lps, rows))
         row += len(ds) + 1
     return out
-
