@@ -6,11 +6,14 @@
     python3 docs/data/bench_spec.py --model random:qwen3-0.6b --max-tokens 128 --repeats 3 --no-batch1 \\
         --batch-sweep 1 2 4 8 16 32 64 --gpu-memory-utilization 0.3 --out h200_step27_sweep
 
-Batch 1 (one request at a time, greedy), three workloads:
+Batch 1 (one request at a time), four workloads, greedy but the last:
     copy-heavy   the model is given a text and asked to repeat, edit or refactor it: a paragraph to rewrite with its
                  typos fixed, a function to refactor (a variable renamed), a function to copy
     chat         chat questions (shared/anatomy.py's QUESTIONS), answered to their end
     standard     shared/bench.py's standard prompts, --max-tokens new tokens each (EOS ignored)
+    random-0.6   nano-vllm's first 4 prompts of random ids, sampled at 0.6 with seeds 0..3, --max-tokens each (EOS
+                 ignored): text that never repeats, so no step can draft and step27 overlaps as step26 does (the
+                 overlapped steps column counts spec_undraftable_steps)
 Each workload runs through step26 and step27 (speculative_config: --k drafts, lookup 4..2), alternated --repeats
 times; tokens/s is the median run's (all its requests' tokens over their time). The outputs of both must be equal,
 token for token; the drafts proposed and accepted, the mean accepted length (1 + accepted / verified requests) and the
@@ -90,16 +93,20 @@ def one_at_a_time(llm, prompts, params) -> tuple[list[list[int]], float, int]:
 def batch_one(args, old, new) -> dict:
     tok = new.tokenizer
     chat = lambda qs: [tok.apply_chat_template([{"role": "user", "content": q}]) for q in qs]  # noqa: E731
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    random_prompts = nano_vllm_workload(tok)[0][:4]
     workloads = {
-        "copy-heavy": (chat(COPY_HEAVY), SamplingParams(temperature=0, max_tokens=args.max_tokens)),
-        "chat": (chat(QUESTIONS[:4]), SamplingParams(temperature=0, max_tokens=args.max_tokens)),
-        "standard": (chat(STANDARD_QUESTIONS), SamplingParams(temperature=0, max_tokens=args.max_tokens,
-                                                              ignore_eos=True)),
+        "copy-heavy": (chat(COPY_HEAVY), [greedy] * len(COPY_HEAVY)),
+        "chat": (chat(QUESTIONS[:4]), [greedy] * 4),
+        "standard": (chat(STANDARD_QUESTIONS), [SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                                               ignore_eos=True)] * len(STANDARD_QUESTIONS)),
+        # nano-vllm's first 4 draws of random ids, sampled at its 0.6, seeded: drafts almost never match
+        "random-0.6": (random_prompts, [SamplingParams(temperature=0.6, max_tokens=args.max_tokens, ignore_eos=True,
+                                                       seed=i) for i in range(len(random_prompts))]),
     }
     results, rows = {}, []
     workloads = {name: w for name, w in workloads.items() if name in args.workloads}
-    for name, (prompts, sp) in workloads.items():
-        params = [sp] * len(prompts)
+    for name, (prompts, params) in workloads.items():
         one_at_a_time(old, prompts[:1], [SamplingParams(temperature=0, max_tokens=8)])  # warm-ups
         one_at_a_time(new, prompts[:1], [SamplingParams(temperature=0, max_tokens=8)])
         before = dict(new.stats)
@@ -112,7 +119,7 @@ def batch_one(args, old, new) -> dict:
                 outputs.append(outs)
         equal = all(o == outputs[0] for o in outputs)
         s = {k: new.stats[k] - before[k] for k in ("spec_proposed", "spec_accepted", "spec_verified", "forwards",
-                                                    "emitted_tokens")}
+                                                    "emitted_tokens", "spec_undraftable_steps")}
         med = {label: statistics.median(v) for label, v in runs.items()}
         results[name] = {"tokens_per_s": runs, "median_tokens_per_s": med, "speedup": med["step27"] / med["step26"],
                          "outputs_equal": equal, "tokens": sum(map(len, outputs[0])), **s,
@@ -122,11 +129,11 @@ def batch_one(args, old, new) -> dict:
         r = results[name]
         rows.append([name, len(prompts), r["tokens"], f"{med['step26']:.1f}", f"{med['step27']:.1f}",
                      f"{r['speedup']:.2f}x", f"{100 * r['acceptance_rate']:.0f}%", f"{r['mean_accepted_length']:.2f}",
-                     f"{r['tokens_per_forward']:.2f}", "yes" if equal else "NO"])
-    say(f"batch 1 (one request at a time, greedy), {args.model} on {new.device}, {args.repeats} runs each, alternated; "
+                     f"{r['tokens_per_forward']:.2f}", r["spec_undraftable_steps"], "yes" if equal else "NO"])
+    say(f"batch 1 (one request at a time; greedy, random-0.6 sampled), {args.model} on {new.device}, {args.repeats} runs each, alternated; "
         f"tokens/s of the median run; step27 with up to {args.k} drafts")
     say(format_table(["workload", "requests", "tokens", "step26 tok/s", "step27 tok/s", "speed-up", "accepted",
-                      "mean accepted length", "tokens per forward", "equal"], rows))
+                      "mean accepted length", "tokens per forward", "overlapped steps", "equal"], rows))
     return results
 
 
@@ -253,8 +260,9 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: %(default)s)")
     p.add_argument("--verify-cost", action="store_true")
     p.add_argument("--no-batch1", action="store_true", help="leave the batch-1 workloads out")
-    p.add_argument("--workloads", nargs="+", default=["copy-heavy", "chat", "standard"],
-                   choices=["copy-heavy", "chat", "standard"], help="the batch-1 workloads (default: all three)")
+    p.add_argument("--workloads", nargs="+", default=["copy-heavy", "chat", "standard", "random-0.6"],
+                   choices=["copy-heavy", "chat", "standard", "random-0.6"],
+                   help="the batch-1 workloads (default: all four)")
     p.add_argument("--batch-sweep", type=int, nargs="+", default=[], metavar="B",
                    help="B requests at once, for each B given: step26 against step27 drafting in every step")
     p.add_argument("--nano-vllm", action="store_true")
