@@ -424,9 +424,9 @@ class LLM:
 
     def _propose(self, work) -> dict[int, list[int]]:
         """Drafts for the step's decoding requests: each gets up to k, within what is left of the token budget,
-        what max_tokens leaves (a step emits at most drafts + 1) and the free blocks (no one is preempted for a
-        guess, and no cached block is evicted for one). The drafts join the sequence's token_ids for this step only, and blocks are taken for their KV.
-        -> {index in work: drafts}."""
+        what max_tokens leaves (a step emits at most drafts + 1) and the empty blocks (no one is preempted for a
+        guess, and no cached block is evicted for one). The drafts join the sequence's token_ids for this step only,
+        and blocks are taken for their KV. -> {index in work: drafts}."""
         cfg, bm = self.speculative, self.block_manager
         budget = self.scheduler.max_num_batched_tokens - sum(n for _, n in work)
         spec = {}
