@@ -539,3 +539,75 @@ def test_a_step_in_which_no_request_can_draft_runs_overlapped():
     assert steps_left_in_flight >= 10  # every step but the last overlapped
     llm.generate(PROMPTS[:1], sampling(temperature=0, max_tokens=24, ignore_eos=True))
     assert llm.stats["spec_accepted"] > 0
+
+
+# ---- stops, logprobs and preemption with drafts accepted -----------------------------------------------------------
+def test_eos_and_a_stop_token_inside_an_accepted_run_end_the_request_there():
+    """smollm2-135m copies a text it was given, without ignore_eos: the end of the user's turn in the prompt makes
+    the drafts after the text <|im_end|> (EOS) and what follows it, so EOS is accepted inside a run and the run is cut
+    there; a stop token inside the text cuts a run the same way. Both equal step26's: tokens, text, finish and stop
+    reason."""
+    step26 = load_engine(BEFORE).LLM(REAL, **OPTIONS)
+    prompt = real_chat(step26, "Copy this text: one two three four five.")
+    greedy = sampling(temperature=0, max_tokens=48)
+    plain = step26.generate([prompt], greedy)[0].outputs[0]
+    stop_token = plain.token_ids[len(plain.token_ids) // 2]
+    cases = [greedy, sampling(temperature=0, max_tokens=48, stop_token_ids=[stop_token])]
+    want = step26.generate([prompt] * 2, cases)
+    assert want[0].outputs[0].finish_reason == "stop" and want[0].outputs[0].stop_reason is None  # EOS
+    llm = load_engine(SPEC).LLM(REAL, speculative_config=ALWAYS, **OPTIONS)
+    for params, w in zip(cases, want):
+        cut = llm.stats["spec_cut"]
+        got = llm.generate([prompt], params)[0].outputs[0]
+        w = w.outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+            (w.token_ids, w.text, w.finish_reason, w.stop_reason)
+        assert llm.stats["spec_cut"] == cut + 1, llm.stats  # the stop fell inside an accepted run
+
+
+def test_sampled_logprobs_under_speculation_equal_step26s():
+    """Seeded sampled requests with logprobs=3, drafts accepted: the same tokens as step26, and each token's top-3,
+    its own logprob and the cumulative logprob within float32's rounding of a verify chunk against a decode."""
+    params = [sampling(temperature=1.0, top_k=3, max_tokens=24, ignore_eos=True, seed=s, logprobs=3) for s in (1, 2)]
+    prompts = ["a b a b a b a b", PROMPTS[1]]
+    before = load_engine(BEFORE).LLM(QWEN, **OPTIONS).generate(prompts, params)
+    llm = spec_llm(config={"prompt_lookup_min": 1})
+    after = llm.generate(prompts, params)
+    assert llm.stats["spec_accepted"] > 0, llm.stats
+    for a, b in zip(after, before):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        for token, got, want in zip(a.token_ids, a.logprobs, b.logprobs):
+            assert got.keys() == want.keys() and token in got
+            assert all(abs(got[t] - want[t]) < 1e-4 for t in got)
+        assert abs(a.cumulative_logprob - b.cumulative_logprob) < 1e-3
+        assert abs(a.cumulative_logprob - sum(lp[t] for t, lp in zip(a.token_ids, a.logprobs))) < 1e-3
+
+
+def test_a_request_preempted_right_after_it_drafted_resumes_with_step26s_tokens():
+    """A pool small enough to preempt, every step drafting: some request is preempted in the step after one in
+    which it verified drafts (its rolled-back blocks and its counted tokens are what a recompute starts from). The
+    outputs equal step26's with the same pool."""
+    prompts, params = prompts_of(8), sampling(temperature=0, max_tokens=40, ignore_eos=True)
+    options = dict(max_kv_tokens=160, block_size=4, max_num_seqs=8)
+    want = load_engine(BEFORE).LLM(QWEN, **{**OPTIONS, **options}).generate(prompts, params)
+    llm = spec_llm(**options)
+    drafted_last_step, preempted_after_drafting = set(), []
+    propose, preempt = llm._propose, llm.scheduler.preempt
+
+    def spy_propose(work):
+        spec = propose(work)
+        drafted_last_step.clear()
+        drafted_last_step.update(work[i][0].request_id for i in spec)
+        return spec
+
+    def spy_preempt(request):
+        if request.request_id in drafted_last_step:
+            preempted_after_drafting.append(request.request_id)
+        preempt(request)
+
+    llm._propose, llm.scheduler.preempt = spy_propose, spy_preempt
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert preempted_after_drafting, (llm.scheduler.num_preemptions, llm.stats)
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
