@@ -20,6 +20,10 @@ TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_CHOICE)' | cksum | cu
 
 # Extra pytest arguments, e.g.  make test PYTEST_ARGS="--durations=15 -x"
 PYTEST_ARGS ?=
+# One step's tests only, e.g.  make test STEP=step27: the tests that take that step, its equivalence test and its
+# lesson's tests (pytest --step, tests/conftest.py). Unset: every test.
+STEP ?=
+PYTEST_STEP := $(if $(STEP),--step $(STEP))
 # The test targets run pytest-xdist workers, each on one torch thread (tests/conftest.py), one per core of the
 # 2-core machine the suite is sized for; a step's tests stay on one worker (--dist loadgroup), which builds its
 # engines once. PYTEST_WORKERS=0 runs in one process.
@@ -58,10 +62,10 @@ demo: $(STAMP)
 	$(BIN)/python steps/step27/run.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_STEP) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_XDIST) $(PYTEST_STEP) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python run_all.py --bench

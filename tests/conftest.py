@@ -1,3 +1,4 @@
+import ast
 import functools
 import os
 import sys
@@ -24,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # The registry of steps and what each has (tests/registry.py), and the harness prompts, are re-exported here.
-from registry import STEPS  # noqa: E402  (tests/registry.py)
+import registry  # noqa: E402  (tests/registry.py)
+from registry import STEPS  # noqa: E402
 from registry import CHAT_PROMPTS, EQUIV_MAX_TOKENS, TEXT_PROMPTS  # noqa: E402,F401
 
 # `make test-fast` (pytest -m "not slow") tests every step-independent thing and the newest steps fully;
@@ -57,7 +59,26 @@ class GroupSuffix:
                 item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--step", action="append", default=[], metavar="STEP",
+                     help="keep only the tests that concern STEP (a step folder: step27, step14_7): its own tests, "
+                          "its equivalence test, its lesson's tests (tests/conftest.py, steps_of_test); repeat it, "
+                          "or give STEP,STEP, for several steps. make test STEP=step27 passes it.")
+
+
+def selected_steps(config) -> set[str]:
+    """The steps named by --step (a step per option, or several joined by commas); an unknown name is a usage error
+    that lists the known ones."""
+    names = {name.strip() for value in config.getoption("step") for name in value.split(",") if name.strip()}
+    unknown = sorted(names - set(STEPS))
+    if unknown or (config.getoption("step") and not names):
+        raise pytest.UsageError(f"--step: unknown step {', '.join(map(repr, unknown)) or 'name (empty)'}; "
+                                f"the known steps (tests/registry.py): {' '.join(STEPS)}")
+    return names
+
+
 def pytest_configure(config):
+    selected_steps(config)  # an unknown --step fails here, before any worker starts or any test is collected
     if os.environ.get("PYTEST_XDIST_WORKER"):
         config.pluginmanager.register(GroupSuffix(), "xdist-group-suffix")
     config.addinivalue_line("markers", "copies(*steps): the test runs on the first of these steps and stands for "
@@ -65,8 +86,52 @@ def pytest_configure(config):
                                        "(helpers.copies_param)")
 
 
+# ---- --step: the tests that concern one step ---------------------------------------------------------------------
+# A test concerns
+#   - the step it takes (its `step` parameter), and every step its `copies` mark stands for (helpers.copies_param);
+#     test_equivalence.py's test_step_matches_golden[<step>-...] is so the step's equivalence test: every step is
+#     compared with the same reference, step01's golden outputs, rather than with the step before it;
+#   - a step named by an xdist_group mark of its own (test_equivalence.py's step01 tests against HF run on step01's
+#     worker: step01's equivalence to what comes before it);
+#   - if it takes no step: the lessons of its file, the steps that the file names at module level as
+#     `NAME = introducing("feature")` (test_part9_spec.py's SPEC = introducing("speculative_decoding")). A Part
+#     file's step-free tests exercise its lesson's step (against the step before it, which is a reference there and
+#     is not selected by them), so a new step's Part file joins its --step run by the name it already has.
+# A test that concerns no step (the docs, the scripts, the benchmarks) is deselected by --step.
+
+@functools.lru_cache(maxsize=None)
+def lessons_of_module(module) -> frozenset:
+    """The steps a test module names at module level as `NAME = introducing(feature)` (registry.introducing, under
+    whatever name the module imported it): the lessons its step-free tests are about."""
+    names = set()
+    for node in ast.parse(Path(module.__file__).read_text(), module.__file__).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call) \
+                and isinstance(node.value.func, ast.Name) \
+                and getattr(module, node.value.func.id, None) is registry.introducing:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return frozenset(getattr(module, name) for name in names)
+
+
+def steps_of_test(item) -> set[str]:
+    """The steps a collected test concerns (the rules above)."""
+    params = getattr(item, "callspec", None) and item.callspec.params or {}
+    steps = {str(m.args[0] if m.args else m.kwargs.get("name")) for m in item.iter_markers("xdist_group")}
+    if "step" in params:
+        steps.add(params["step"])
+        steps.update(*(m.args for m in item.iter_markers("copies")))
+    elif getattr(item, "module", None) is not None:
+        steps |= lessons_of_module(item.module)
+    return steps & set(STEPS)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    wanted = selected_steps(config)
+    if wanted:
+        concerns = {item: bool(steps_of_test(item) & wanted) for item in items}
+        config.hook.pytest_deselected(items=[item for item in items if not concerns[item]])
+        items[:] = [item for item in items if concerns[item]]
     newest = set(STEPS[-FAST_STEPS:])
     for item in items:
         step = getattr(item, "callspec", None) and item.callspec.params.get("step")
@@ -74,8 +139,10 @@ def pytest_collection_modifyitems(config, items):
             copies = item.get_closest_marker("copies")  # a test run once for steps of the same content
             if newest.isdisjoint(copies.args if copies else [step]):
                 item.add_marker(pytest.mark.slow)
-            # --dist loadgroup: a step's tests run on one worker, which then builds that step's engines once.
-            item.add_marker(pytest.mark.xdist_group(step))
+            # --dist loadgroup: a step's tests run on one worker, which then builds that step's engines once. Under
+            # --step every test is one step's: grouped by step they would all run on one worker while the other
+            # idles, so there a group is one step's tests in one file (a file's tests still share what they cache).
+            item.add_marker(pytest.mark.xdist_group(f"{step}-{item.module.__name__}" if wanted else step))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")
