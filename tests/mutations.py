@@ -49,7 +49,7 @@ class Mutation:
 
 
 MUTATIONS_READ_BEFORE_LAUNCH_OLD = """        with self.timers.phase("schedule"):
-            work = self.scheduler.schedule()  # sees step N's tokens as PENDING places: one more token each
+            work = self.scheduler.schedule()  # counts step N's tokens as placeholders: one more token each
         launched = self._launch(work) if work else None
         step_n, self.in_flight = self.in_flight, launched
         outputs = self._read_step(step_n, partial) if step_n is not None else []
@@ -325,10 +325,11 @@ MUTATIONS = [
         MUTATIONS_READ_BEFORE_LAUNCH_OLD, MUTATIONS_READ_BEFORE_LAUNCH_NEW,
         ("tests/test_part9_overlap.py::test_async_outputs_equal_step24_and_sync[random:tiny-llama]",)),
     Mutation(
-        "step25-pending-not-filled", "step25 leaves a PENDING input id for the model instead of the device's token",
+        "step25-pending-not-filled", "step25 leaves a placeholder's input id (0) for the model instead of the "
+        "device's token",
         "steps/step25/model_runner.py",
-        "        if pending:\n            self.fill_pending(input_ids, pending)",
-        "        if False:\n            self.fill_pending(input_ids, pending)",
+        "        if fill:\n            self.fill_placeholders(input_ids, fill)",
+        "        if False:\n            self.fill_placeholders(input_ids, fill)",
         ("tests/test_part9_overlap.py::test_async_outputs_equal_step24_and_sync[random:tiny-llama]",)),
     Mutation(
         "step25-discarded-token-kept", "step25 records the token computed for a request after its end",
@@ -381,13 +382,15 @@ MUTATIONS = [
         "        u = _to_device(uniforms([seeds_of[r] ^ 0x5EC0 for r in sampled], [pos_of[r] for r in sampled]), device)\n",
         ("tests/test_part9_spec.py::test_a_seeded_sampled_request_gets_step26s_tokens_alone_in_a_batch_and_under_"
          "budget_pressure",)),
-    # GPU: the CUDA-graph path fills PENDING places in the graphs' static inputs, a second site the CPU never runs
+    # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs
     Mutation(
-        "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a PENDING input id instead of the "
-        "device's token",
+        "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a placeholder's input id (0) instead "
+        "of the device's token",
         "steps/step25/model_runner.py",
-        "                if pending:\n                    self.fill_pending(self.graphs.inputs.input_ids, pending)",
-        "                if False:\n                    self.fill_pending(self.graphs.inputs.input_ids, pending)",
+        "                if placeholders:  # step25: row i of the static inputs is sequence i\n"
+        "                    self.fill_placeholders(",
+        "                if False:  # step25: row i of the static inputs is sequence i\n"
+        "                    self.fill_placeholders(",
         ("tests/test_part9_overlap.py::test_gpu_async_equals_step24_exactly_while_the_batches_match",), gpu=True),
     Mutation(
         "step25-read-before-launch-gpu", "step25 reads step N's tokens before it launches step N + 1 (the GPU's "

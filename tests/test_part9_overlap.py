@@ -6,9 +6,10 @@ On the CPU (one stream: the order, without overlap), on both model families:
 - on the real model, step01's golden greedy answers (two end with the model's own EOS);
 - the token computed for a request after its end is thrown away: counted in stats["discarded_tokens"] (one per
   request that ran on after its last token), never emitted;
-- a 96-token pool that preempts requests whose newest token is still PENDING, and an abort between two steps;
+- a 96-token pool that preempts requests whose newest token is still a placeholder, and an abort between two steps;
 - no block leaked, nothing left in flight once the engine is drained; AsyncLLM streams through it unchanged;
-- two tensor-parallel ranks (gloo) with async scheduling: the worker fills its PENDING inputs from rank 0's tokens;
+- two tensor-parallel ranks (gloo) with async scheduling: the worker fills its placeholders' inputs from rank 0's
+  tokens;
 - async_scheduling of the wrong type is a ValueError.
 On the GPU (`gpu`): the same equality with CUDA graphs at 1, 7, 64 and 256 seats, and the overlap itself: step
 N + 1's launch begins while step N's results are not reached on the device yet (an event query, an ordering).
@@ -101,7 +102,7 @@ def test_async_outputs_equal_step24_and_sync(model):
     assert llm["sync"].stats["discarded_tokens"] == 0
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and engine.in_flight is None
-    assert all(seq.num_pending == 0 for seq in engine.scheduler.requests.values())
+    assert all(seq.num_output_placeholders == 0 for seq in engine.scheduler.requests.values())
 
 
 def test_async_matches_the_golden_file_on_the_real_model():
@@ -134,8 +135,8 @@ def test_eos_at_the_first_token(model, monkeypatch):
 
 
 def test_preemption_with_pending_tokens_in_a_96_token_pool():
-    """6 blocks of 16 tokens for 5 requests: the scheduler preempts, and some request it preempts has a PENDING
-    token (launched, not read): it is read at the next step, and the request is recomputed from real ids."""
+    """6 blocks of 16 tokens for 5 requests: the scheduler preempts, and some request it preempts has a placeholder
+    (a token launched, not read): it is read at the next step, and the request is recomputed from real ids."""
     options = dict(OPTIONS, max_kv_tokens=96, max_num_seqs=5)
     before = load_engine(BEFORE).LLM(TINY, **options)
     after = load_engine(OVERLAP).LLM(TINY, async_scheduling=True, **options)
@@ -146,7 +147,7 @@ def test_preemption_with_pending_tokens_in_a_96_token_pool():
     preempt = after.scheduler.preempt
 
     def watched(request):
-        pending_at_preemption.append(request.num_pending)
+        pending_at_preemption.append(request.num_output_placeholders)
         preempt(request)
 
     after.scheduler.preempt = watched
@@ -225,8 +226,9 @@ def test_async_llm_streams_through_async_scheduling():
 
 
 def test_tensor_parallel_ranks_read_the_pending_tokens_from_rank_0():
-    """Two ranks on the CPU (gloo), async scheduling: the worker's PENDING input ids are filled from its copy of rank
-    0's last_token, broadcast after each step that samples. The outputs are step24's (one rank), token for token."""
+    """Two ranks on the CPU (gloo), async scheduling: the input ids of the worker's placeholders are filled from its
+    copy of rank 0's last_token, broadcast after each step that samples. The outputs are step24's (one rank), token
+    for token."""
     params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(3)]
     want = engines(TINY)["before"].generate(PROMPTS[:3], params)
     llm = load_engine(OVERLAP).LLM(TINY, async_scheduling=True, tensor_parallel_size=2, **OPTIONS)

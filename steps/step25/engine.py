@@ -43,11 +43,12 @@ Added by step, oldest first (each step's outputs equal the one before it, with t
 - step25: overlap scheduling, async_scheduling=True (vLLM's name; None, the default: on with CUDA, off elsewhere).
   One step schedules step N + 1 and launches its forward and its sampling before it reads step N's sampled tokens
   (_step_async): the device runs step N + 1 while the host reads step N, finishes what step N finished, builds the
-  outputs, and schedules and prepares the next step. A token the host has not read is PENDING in its sequence
-  (sequence.py); the device keeps it (model_runner.py's last_token) and the next step's inputs read it there. Finish
-  is known one step late: a request that step N finishes was already scheduled into step N + 1, whose token for it
-  is thrown away (stats["discarded_tokens"]), never emitted. The CPU runs the same order on its one stream: nothing
-  overlaps there, but the outputs are checked. async_scheduling=False runs step24's order.
+  outputs, and schedules and prepares the next step. A token the host has not read is a placeholder of its sequence,
+  only counted (sequence.py's num_output_placeholders); the device keeps it (model_runner.py's last_token) and the
+  next step's inputs read it there (the engine names those inputs: execute's placeholders). Finish is known one
+  step late: a request that step N finishes was already scheduled into step N + 1, whose token for it is thrown away
+  (stats["discarded_tokens"]), never emitted. The CPU runs the same order on its one stream: nothing overlaps there,
+  but the outputs are checked. async_scheduling=False runs step24's order.
 """
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ class LLM:
                 raise WorkerError(failure) from e
             raise
         self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
-        # step25: with workers, rank 0 sends them each step's sampled tokens on the devices (their PENDING inputs)
+        # step25: with workers, rank 0 sends them each step's sampled tokens on the devices (placeholders' inputs)
         self.runner.share_tokens = self.async_scheduling and self.workers is not None
         self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers
         # step25: tokens computed for requests that had finished (thrown away); launches that began while the step
@@ -343,7 +344,7 @@ class LLM:
     def _check_stop(self, r: Sequence, last: int, num_outputs: int) -> Finish | None:
         """-> a Finish once the request must end, else None. Text grows through the request's detokenizer, and
         stop strings are looked for only where new text could complete one: O(1) per token, not O(n).
-        step25: last is its newest token the host knows, its num_outputs-th (a PENDING place may follow it)."""
+        step25: last is its newest token, its num_outputs-th (num_outputs: len(r.output_ids))."""
         sp = r.params
         if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
             return Finish("stop", None, r.detokenizer.final_text())  # the stop token is not in the text
@@ -367,31 +368,29 @@ class LLM:
         """Sample one token for each sequence from its row of logits [B, vocab] in one sampler call (the model
         runner's), record them, check which sequences must stop."""
         next_ids, chosen, tops = self.runner.sample(seqs, logits)  # host lists: the step's one wait for the GPU
-        self._record_tokens(seqs, [None] * len(seqs), next_ids, chosen, tops)
+        self._record_tokens(seqs, next_ids, chosen, tops)
 
-    def _record_tokens(self, seqs: list[Sequence], places: list[int | None], next_ids, chosen, tops) -> None:
-        """Record each sequence's new token, check which sequences must stop. step25: places[i] is the index in
-        output_ids of the PENDING place the token fills (async), or None: the token is appended (sync). A sequence
-        that stops is cut after its last token: a PENDING place behind it is dropped."""
+    def _record_tokens(self, seqs: list[Sequence], next_ids, chosen, tops, read_late: bool = False) -> None:
+        """Append each sequence's new token, check which sequences must stop. step25: read_late, the tokens of a
+        step read one step late (async): each was one of its sequence's placeholders, and the count drops. A
+        sequence that stops drops the placeholders behind its end (a step launched before the end was known)."""
         with self.timers.phase("sample"):
             now = time.perf_counter()
-            for i, (seq, place, top, next_id, logprob) in enumerate(zip(seqs, places, tops, next_ids, chosen)):
+            for seq, top, next_id, logprob in zip(seqs, tops, next_ids, chosen):
                 seq.cumulative_logprob += logprob
                 if seq.logprobs is not None:  # the n most likely tokens and the chosen one: {token_id: logprob}
                     top[next_id] = logprob
                     seq.logprobs.append(top)
-                if place is None:
-                    seq.append_token(next_id)
-                    places[i] = len(seq.output_ids) - 1
-                else:
-                    seq.replace_pending(place, next_id)
+                seq.append_token(next_id)
+                if read_late:
+                    seq.num_output_placeholders -= 1
                 seq.metrics.token_times.append(now)
                 seq.metrics.first_token_time = seq.metrics.first_token_time or now
         with self.timers.phase("detokenize"):
-            for seq, place, next_id in zip(seqs, places, next_ids):
-                seq.finish = self._check_stop(seq, next_id, place + 1)
+            for seq, next_id in zip(seqs, next_ids):
+                seq.finish = self._check_stop(seq, next_id, len(seq.output_ids))
                 if seq.finish is not None:
-                    seq.cut_after(place)
+                    seq.num_output_placeholders = 0  # the tokens launched after its end are thrown away when read
                     seq.metrics.finished_time = now
 
     # ---- step25: the overlapped loop ------------------------------------------------------------------------
@@ -401,7 +400,7 @@ class LLM:
         N + 1's tokens as computed, for the requests still running. The device runs step N + 1 during (2), (3) and
         the next call's (1). A call with nothing to schedule still reads the step in flight."""
         with self.timers.phase("schedule"):
-            work = self.scheduler.schedule()  # sees step N's tokens as PENDING places: one more token each
+            work = self.scheduler.schedule()  # counts step N's tokens as placeholders: one more token each
         launched = self._launch(work) if work else None
         step_n, self.in_flight = self.in_flight, launched
         outputs = self._read_step(step_n, partial) if step_n is not None else []
@@ -411,9 +410,10 @@ class LLM:
         return outputs
 
     def _launch(self, work) -> SimpleNamespace | None:
-        """Step N + 1's forward and sampling, queued on the device. Each sequence that samples gets a PENDING place
-        for its token. -> the step in flight: its sampling sequences, their places, its results on their way to the
-        host (None: no sequence samples, every row a chunk before its prompt's end)."""
+        """Step N + 1's forward and sampling, queued on the device. A sequence whose newest input is step N's token
+        (a placeholder) has it filled on the device; each sequence that samples gets a placeholder for its token.
+        -> the step in flight: its sampling sequences and its results on their way to the host (None: no sequence
+        samples, every row a chunk before its prompt's end)."""
         timer = self.timers.phase
         scheduled = [seq for seq, _ in work]
         self.timers.steps += 1
@@ -426,8 +426,10 @@ class LLM:
             self.stats["prefill_chunks"] += len(work) - decodes
             # a sequence gets a token if this step reaches its last token (a prompt chunk before the end does not)
             rows = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n == seq.num_tokens]
+            # inputs past the tokens the host knows: a sequence's newest one, step N's token, still on the device
+            placeholders = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n > len(seq.token_ids)]
         try:
-            logits = self.runner.execute(work)  # one row per scheduled sequence, in that order
+            logits = self.runner.execute(work, placeholders=placeholders)  # one row per scheduled sequence, in order
             if not rows:
                 return None
             with timer("sample"):
@@ -435,19 +437,20 @@ class LLM:
                 if len(rows) < len(scheduled):
                     logits = logits[to_device(torch.tensor(rows), logits.device)]
             results = self.runner.launch_sample(sampled, logits, keep_on_device=True)
-            places = [seq.append_pending() for seq in sampled]  # after the draw: its keys count the outputs before
+            for seq in sampled:  # after the draw: its keys count the outputs before
+                seq.num_output_placeholders += 1
         except BaseException:  # as in the sync step: these sequences are half-updated, drop them
             for seq in scheduled:
                 self.abort_request(seq.request_id)
             raise
         event = results.copies.event
-        return SimpleNamespace(seqs=sampled, places=places, results=results,
-                               done=lambda: event is None or event.query())
+        return SimpleNamespace(seqs=sampled, results=results, done=lambda: event is None or event.query())
 
     def _read_step(self, step: SimpleNamespace, partial: bool) -> list[RequestOutput]:
         """Step N's tokens, read one step late (the wait for the device is here, while step N + 1 is queued behind):
-        each fills its PENDING place, then what finishes is finished. A sequence that finished at the step before
-        (its token here was computed after its end) or was aborted is skipped: the token is thrown away."""
+        each joins its sequence's tokens in place of a placeholder, then what finishes is finished. A sequence that
+        finished at the step before (its token here was computed after its end) or was aborted is skipped: the token
+        is thrown away."""
         try:
             next_ids, chosen, tops = self.runner.read_sampled(step.results)
         except BaseException:
@@ -457,8 +460,8 @@ class LLM:
         live = [i for i, seq in enumerate(step.seqs) if seq.status is not SequenceStatus.FINISHED]
         self.stats["discarded_tokens"] += len(step.seqs) - len(live)
         seqs = [step.seqs[i] for i in live]
-        self._record_tokens(seqs, [step.places[i] for i in live], [next_ids[i] for i in live],
-                            [chosen[i] for i in live], [tops[i] for i in live])
+        self._record_tokens(seqs, [next_ids[i] for i in live], [chosen[i] for i in live], [tops[i] for i in live],
+                            read_late=True)
         with self.timers.phase("schedule"):
             finished = [seq for seq in seqs if seq.finish is not None]
             for seq in finished:

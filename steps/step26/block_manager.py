@@ -20,21 +20,17 @@ admission looks a waiting prompt up with the hashes it already has, however ofte
 step18: on_release, when given, is told of every request whose table release() gives back (finished, preempted or
 aborted): the model runner frees the request's block-table row (model_runner.py's BlockTables).
 
-step25: with async_scheduling a request's newest tokens may be PENDING (sampled on the device, not read yet:
-sequence.py). A block is hashed only once every token in it is known (known_tokens), so no hash covers a PENDING
-place; the hashes of a block that fills with a pending token are made at a later step, once it is read. The
-blocks registered (cache_full_blocks) and looked up (_cached_prefix) never reach a pending token: a computed token
-is known (the engine reads step N's tokens before step N + 1's are counted computed), and a request is looked up
-only while it waits, when none of its tokens is pending.
+step25: with async_scheduling a request's newest tokens may be placeholders (sampled on the device, not read yet:
+sequence.py's num_output_placeholders). num_tokens counts them, so each has its slot, but token_ids holds only the
+tokens the host knows, and a block is hashed only once every token in it is known (hash_new_blocks reads
+token_ids): no hash covers a placeholder; the hashes of a block that fills with one are made at a later step, once
+it is read. The blocks registered (cache_full_blocks) and looked up (_cached_prefix) never reach a placeholder: a
+computed token is known (the engine reads step N's tokens before step N + 1's are counted computed), and a request
+is looked up only while it waits, when it has none.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-
-def known_tokens(request) -> int:
-    """step25: how many of request's tokens the host knows: all but its PENDING places, which are the newest."""
-    return request.num_tokens - getattr(request, "num_pending", 0)  # a test's stand-in request has none
 
 
 def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -113,7 +109,7 @@ class BlockManager:
     def hash_new_blocks(self, request) -> None:
         """Hash the request's full blocks that have no hash yet: each block once in the request's life."""
         tokens, size, hashes = request.token_ids, self.block_size, request.block_hashes
-        for i in range(len(hashes), known_tokens(request) // size):  # step25: full blocks of known tokens only
+        for i in range(len(hashes), len(tokens) // size):  # step25: token_ids, the known tokens (no placeholder)
             hashes.append(block_hash(hashes[-1] if hashes else None, tuple(tokens[i * size:(i + 1) * size])))
             self.num_hashed += 1
 

@@ -27,10 +27,12 @@ decides each sequence's block-table row and its new blocks (BlockTables.changes)
 rank writes them into its own rows, so every rank's rows hold the same tables.
 
 step25: overlap scheduling (the engine's async_scheduling). The engine launches step N + 1 before it reads step N's
-sampled tokens, so a sequence's newest input token may be PENDING on the host (sequence.py). The device knows it:
-after sampling, each sampled token is written into last_token, one entry per block-table row (the row of the
-sequence it was sampled for). A step's PENDING input ids are replaced on the device by their rows' entries
-(fill_pending), in the eager path and in the graphs' static inputs alike. Sampling is cut in two halves:
+sampled tokens, so a sequence's newest input token may be a placeholder: sampled, not read by the host, not in its
+token_ids (sequence.py's num_output_placeholders). The device knows it: after sampling, each sampled token is
+written into last_token, one entry per block-table row (the row of the sequence it was sampled for). The engine
+names the work's sequences whose last input is a placeholder (execute's placeholders); their input ids are taken
+on the device from their rows' entries (fill_placeholders), in the eager path and in the graphs' static inputs
+alike. Sampling is cut in two halves:
 launch_sample queues the work and the copies of its results to the host, behind an event; read_sampled waits for
 that event and makes the lists. sample() is both at once, as before.
 """
@@ -45,7 +47,7 @@ from .kernels.sampling import draw_params, fused_draw, triton
 from .model import CausalLM, KVCache, to_device  # noqa: F401  (to_device: imported from here too)
 from .parallel import WorkerError
 from .sampler import sample_batch, wants_filters
-from .sequence import PENDING, Sequence
+from .sequence import Sequence
 
 CPU_DEFAULT_KV_TOKENS = 32768  # on the CPU, max_kv_tokens sizes the cache (default 32768 tokens)
 
@@ -171,7 +173,7 @@ class ModelRunner:
         # step25: [max_num_seqs] int64, the newest token sampled for each block-table row, written on the device
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         # step25, tensor parallel: rank 0 broadcasts last_token to the workers after each step that samples, so
-        # each rank fills its PENDING input ids from its own copy (set by the engine; a worker is told per step)
+        # each rank fills its placeholders' input ids from its own copy (set by the engine; a worker is told per step)
         self.share_tokens = False
 
     # ---- the KV cache -------------------------------------------------------------------------------------
@@ -273,33 +275,39 @@ class ModelRunner:
         return peak - num_blocks * block_size * kv_bytes_per_token(self.model.config, self.dtype, self.kv_cache_dtype)
 
     # ---- one engine step ----------------------------------------------------------------------------------
-    def prepare(self, work: list[tuple[Sequence, int]], block_size: int | None = None, changes=None):
+    def prepare(self, work: list[tuple[Sequence, int]], block_size: int | None = None, changes=None,
+                placeholders=()):
         """Every scheduled (sequence, number of new tokens) -> one flat batch: input ids and positions [N], and
         the attention metadata (built by the model's attention backend, attention.py). A decode is a sequence
-        with one new token; a prefill chunk has n. changes: the work's block-table changes (None: found here)."""
+        with one new token; a prefill chunk has n. changes: the work's block-table changes (None: found here).
+        step25: placeholders, the indices in work of the sequences whose last new token is a placeholder."""
         block_size = block_size or self.kv_cache.data.shape[3]
         tables = self.block_tables
         rows = tables.write(tables.changes(work) if changes is None else changes)  # each row holds its whole table
-        ids, positions, pending = [], [], []
-        for (seq, n), row in zip(work, rows):
+        late = set(placeholders)
+        ids, positions, fill = [], [], []
+        for i, ((seq, n), row) in enumerate(zip(work, rows)):
             start = seq.num_computed_tokens
-            if seq.token_ids[start + n - 1] == PENDING:  # step25: only a sequence's newest token can be pending
-                pending.append((len(ids) + n - 1, row))
-            ids += seq.token_ids[start:start + n]
+            if i in late:  # step25: its last input is not in token_ids: 0 here, then last_token's, on the device
+                ids += seq.token_ids[start:start + n - 1]
+                fill.append((len(ids), row))
+                ids.append(0)
+            else:
+                ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
         positions = torch.tensor(positions)  # [N]
         slots = tables.slots(rows, positions, [n for _, n in work], block_size)  # [N]: where the K/V write goes
         metadata = self.model.attention_backend.metadata(work, to_device(slots, self.device), block_size, tables, rows)
         input_ids = to_device(torch.tensor(ids), self.device)
-        if pending:
-            self.fill_pending(input_ids, pending)
+        if fill:
+            self.fill_placeholders(input_ids, fill)
         return input_ids, to_device(positions, self.device), metadata
 
-    def fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, int]]) -> None:
+    def fill_placeholders(self, input_ids: torch.Tensor, fill: list[tuple[int, int]]) -> None:
         """step25: the input ids the host does not know yet, each a (flat index into input_ids, its sequence's
         block-table row): input_ids[index] = last_token[row], on the device, queued behind the step before's sampling
         (which wrote last_token). One small copy to the device (pinned, no wait), one gather and one scatter."""
-        index = to_device(torch.tensor(pending).T.contiguous(), self.device)  # [2, P]: flat indices, rows
+        index = to_device(torch.tensor(fill).T.contiguous(), self.device)  # [2, P]: flat indices, rows
         input_ids[index[0]] = self.last_token[index[1]]
 
     def graph_can_run(self, work: list[tuple[Sequence, int]]) -> bool:
@@ -307,21 +315,23 @@ class ModelRunner:
         return (self.graphs is not None and len(work) <= self.graphs.sizes[-1]
                 and all(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work))
 
-    def execute(self, work: list[tuple[Sequence, int]], changes=None) -> torch.Tensor:
+    def execute(self, work: list[tuple[Sequence, int]], changes=None, placeholders=()) -> torch.Tensor:
         """Run the scheduled work in one forward: every (sequence, new tokens) side by side in one flat batch.
         A step of decodes replays its bucket's graph; any other step runs eagerly.
         -> the logits of each sequence's last new token, in the order of the work: [S, vocab].
         Tensor parallel: rank 0 first sends the work to the workers, with its block-table changes (each sequence's
-        row and the blocks it got since its last step), and the workers run this same method on them."""
+        row and the blocks it got since its last step), and the workers run this same method on them.
+        step25: placeholders, the indices in work of the sequences whose last new token is a placeholder (sampled
+        by the step before, not read by the host): its input id is its row's last_token, on the device."""
         if changes is None:  # rank 0 (or alone) decides the rows; a worker is given them
             with self.timers.phase("prepare inputs"):
                 changes = self.block_tables.changes(work)
         if self.workers is None:
-            return self._execute(work, changes)
+            return self._execute(work, changes, placeholders)
         samples = any(seq.num_computed_tokens + n == seq.num_tokens for seq, n in work)
-        self.workers.start_step(self.model.tp, work, changes, share_tokens=self.share_tokens and samples)
+        self.workers.start_step(self.model.tp, work, changes, placeholders, share_tokens=self.share_tokens and samples)
         try:
-            return self._execute(work, changes)
+            return self._execute(work, changes, placeholders)
         except BaseException as e:
             failure = None if isinstance(e, KeyboardInterrupt) else self.workers.failure(wait_s=1)
             if failure:  # a collective failed because a worker died or failed: say which
@@ -332,22 +342,20 @@ class ModelRunner:
                                     "ranks' collectives no longer line up")
             raise
 
-    def _execute(self, work: list[tuple[Sequence, int]], changes) -> torch.Tensor:
+    def _execute(self, work: list[tuple[Sequence, int]], changes, placeholders=()) -> torch.Tensor:
         if self.graph_can_run(work):
             with self.timers.phase("prepare inputs"):
                 rows = self.block_tables.write(changes)  # the new blocks, in place
-                size = self.graphs.prepare([seq for seq, _ in work], self.block_tables, rows)
-                pending = [(i, row) for i, ((seq, _), row) in enumerate(zip(work, rows))
-                           if seq.token_ids[seq.num_computed_tokens] == PENDING]  # step25: row i is sequence i
-                if pending:
-                    self.fill_pending(self.graphs.inputs.input_ids, pending)
+                size = self.graphs.prepare([seq for seq, _ in work], self.block_tables, rows, placeholders)
+                if placeholders:  # step25: row i of the static inputs is sequence i
+                    self.fill_placeholders(self.graphs.inputs.input_ids, [(i, rows[i]) for i in placeholders])
             with self.timers.phase("forward"):
                 self.stats["forwards"] += 1
                 self.stats["graph_replays" if size in self.graphs.graphs else "eager_forwards"] += 1
                 self.stats["padded_rows"] += size - len(work)
                 return self.graphs.launch(size, len(work))
         with self.timers.phase("prepare inputs"):
-            input_ids, positions, attn = self.prepare(work, changes=changes)
+            input_ids, positions, attn = self.prepare(work, changes=changes, placeholders=placeholders)
         with self.timers.phase("forward"):
             self.stats["forwards"] += 1
             self.stats["eager_forwards"] += 1
@@ -364,10 +372,10 @@ class ModelRunner:
     def launch_sample(self, seqs: list[Sequence], logits: torch.Tensor, keep_on_device: bool = False):
         """step25: sample's first half: the sampling queued on the device and the copies of its results to the host
         queued behind it, with no wait. keep_on_device: also write each sampled token into last_token at its
-        sequence's block-table row, for the next step's PENDING inputs. -> what read_sampled reads."""
+        sequence's block-table row, for the next step's placeholders. -> what read_sampled reads."""
         with self.timers.phase("sample"):
             params = [s.params for s in seqs]
-            positions = [len(s.output_ids) for s in seqs]
+            positions = [len(s.output_ids) + s.num_output_placeholders for s in seqs]  # step25: those in flight too
             token_logprobs = None
             sampled = any(not sp.greedy for sp in params)  # greedy only: one argmax, below
             if self.fused_sampler and sampled and not wants_filters(params, logits.shape[-1]):

@@ -4,10 +4,12 @@ A Sequence is a request as the engine sees it: its tokens (prompt, then output),
 (status), how many of its tokens already have K/V in the cache (num_computed_tokens), and which cache blocks
 hold them (block_table, with the chained hash of each full block).
 
-step25: with async_scheduling a sequence's newest token may not be known to the host yet: the step that samples
-it has been launched, its result not read. Its place in token_ids and output_ids holds PENDING until the engine
-reads the step's results (replace_pending); num_pending counts such places (at most two: one whose step the engine
-is about to read, one in the step just launched).
+step25: with async_scheduling a sequence's newest tokens may not be known to the host yet: the step that samples
+one has been launched, its result not read. token_ids and output_ids hold only the tokens the host has read;
+num_output_placeholders (vLLM's name) counts the tokens in flight (at most two: one in the step the engine is about
+to read, one in the step just launched), and num_tokens counts them too, so the scheduler and the block manager give
+each a place. The engine appends a step's tokens when it reads them, and the count drops; a sequence that finishes
+drops the placeholders behind its end.
 """
 from __future__ import annotations
 
@@ -18,8 +20,6 @@ from typing import NamedTuple
 from shared import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 
 from .detokenizer import IncrementalDetokenizer
-
-PENDING = -1  # step25: a token sampled on the device whose id the host has not read yet
 
 
 class SequenceStatus(enum.Enum):
@@ -64,7 +64,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block of its tokens, computed
     # once, as the block fills (block_manager.hash_new_blocks), and kept for life: preemption does not drop them
     num_cached_blocks: int = 0  # how many blocks of block_table are registered in the prefix cache
-    num_pending: int = 0  # step25: PENDING places in output_ids (sampled on the device, not read yet)
+    num_output_placeholders: int = 0  # step25: its tokens sampled on the device and not read yet (not in token_ids)
 
     def __post_init__(self):
         # prompt then output in one list, grown by append_token: read every step, so never rebuilt
@@ -74,34 +74,15 @@ class Sequence:
         self.output_ids.append(token_id)
         self.token_ids.append(token_id)
 
-    def append_pending(self) -> int:
-        """step25: a place for a token sampled on the device and not read yet. -> its index in output_ids."""
-        self.append_token(PENDING)
-        self.num_pending += 1
-        return len(self.output_ids) - 1
-
-    def replace_pending(self, index: int, token_id: int) -> None:
-        """step25: the token sampled for output_ids[index] is known now. A newer PENDING place may follow it."""
-        self.output_ids[index] = token_id
-        self.token_ids[len(self.prompt_ids) + index] = token_id
-        self.num_pending -= 1
-
-    def cut_after(self, index: int) -> None:
-        """step25: the sequence ended at output_ids[index]: the places after it (PENDING, of a step launched before
-        the end was known) are dropped."""
-        dropped = len(self.output_ids) - index - 1
-        del self.output_ids[index + 1:]
-        del self.token_ids[len(self.prompt_ids) + index + 1:]
-        self.num_pending -= dropped
-
     @property
     def num_known_outputs(self) -> int:
-        """step25: output tokens the host has read (PENDING places are always the newest)."""
-        return len(self.output_ids) - self.num_pending
+        """step25: output tokens the host has read: all of output_ids (the tokens in flight are only counted)."""
+        return len(self.output_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Its tokens as the scheduler and the block manager count them. step25: its placeholders too."""
+        return len(self.token_ids) + self.num_output_placeholders
 
     def partial_output(self) -> RequestOutput:
         """step23: the request so far, while it goes on (finished=False): its tokens, and its text minus the last
@@ -109,10 +90,10 @@ class Sequence:
         than that shows nothing yet. So every partial text is the start of the final one, and a stream's texts only
         grow. Its output ids and logprobs are copies (what the request had then); its prompt ids are not copied each
         step but shared: all of a request's partial outputs hold the sequence's own prompt_ids list, which nothing
-        changes after the request is made. step25: PENDING places are left out (their ids are not read yet)."""
+        changes after the request is made."""
         hold = max(map(len, self.params.stop), default=1) - 1 if self.params.stop else 0
         text = self.detokenizer.text
-        completion = CompletionOutput(0, text[:max(0, len(text) - hold)], self.output_ids[:self.num_known_outputs],
+        completion = CompletionOutput(0, text[:max(0, len(text) - hold)], list(self.output_ids),
                                       self.cumulative_logprob, list(self.logprobs) if self.logprobs is not None else None,
                                       None)
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [completion], False, self.metrics)

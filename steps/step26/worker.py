@@ -183,12 +183,13 @@ class Workers:
         if failure:
             self._fail(failure)
 
-    def start_step(self, tp: TensorParallel, work, changes, share_tokens: bool = False) -> None:
+    def start_step(self, tp: TensorParallel, work, changes, placeholders=(), share_tokens: bool = False) -> None:
         """Ring every doorbell (the size of the step's inputs), then broadcast the inputs (the work and its
-        block-table changes): the workers run the same forward as rank 0 from here. step25: share_tokens, the
-        doorbell says "step+tokens": after the forward each worker also receives rank 0's last_token."""
+        block-table changes): the workers run the same forward as rank 0 from here. step25: placeholders, the work's
+        rows whose last input is filled on the device (pack_work); share_tokens, the doorbell says "step+tokens":
+        after the forward each worker also receives rank 0's last_token."""
         self.check_alive()
-        packed = pack_work(work, changes)
+        packed = pack_work(work, changes, placeholders)
         try:
             for conn in self.conns:
                 conn.send(("step+tokens" if share_tokens else "step", packed.numel()))
@@ -248,9 +249,9 @@ def worker_main(rank: int, size: int, init_method: str, device: str, model_dir, 
             if kind == "tables":  # rank 0 asks for this worker's block-table rows
                 conn.send(("tables", runner.block_tables.held()))
                 continue
-            work, changes = unpack_work(tp.broadcast_inputs(None, numel), runner.block_tables)
-            runner.execute(work, changes)
-            if kind == "step+tokens":  # step25: rank 0's sampled tokens, for this rank's PENDING inputs
+            work, changes, placeholders = unpack_work(tp.broadcast_inputs(None, numel), runner.block_tables)
+            runner.execute(work, changes, placeholders)
+            if kind == "step+tokens":  # step25: rank 0's sampled tokens, for this rank's placeholders' inputs
                 tp.broadcast_tokens(runner.last_token)
     except (EOFError, KeyboardInterrupt):
         return

@@ -89,18 +89,22 @@ class StaticDecodeInputs:
         self.copies = 0  # host-to-device copies queued (two per fill)
         self.copied = torch.cuda.Event() if pin else None  # step25: recorded behind each fill's copies
 
-    def fill(self, seqs: list, tables, rows: list[int], size: int, block_size: int, scratch_block: int) -> None:
+    def fill(self, seqs: list, tables, rows: list[int], size: int, block_size: int, scratch_block: int,
+             placeholders=()) -> None:
         """The decodes of `seqs` (each: its newest token, the one without K/V yet; rows: their rows in the runner's
         BlockTables `tables`) into rows 0 .. len(seqs) - 1, padding rows up to `size`: token 0 at position 0, its
         K/V written to the scratch block's first slot, a context of that one token (the block table row: the
-        scratch block). The tables are the persistent rows, gathered; then the two copies, queued."""
+        scratch block). The tables are the persistent rows, gathered; then the two copies, queued. step25:
+        placeholders, the indices of the sequences whose newest token is a placeholder (not in token_ids): 0 here,
+        its id written on the device afterwards (the runner's fill_placeholders)."""
         num, pad = len(seqs), size - len(seqs)
         if not 0 < num <= size <= self.max_seqs:
             raise ValueError(f"fill: {num} sequences in a batch of {size} (at most {self.max_seqs})")
         if self.copied is not None:  # step25: the last fill's copies have read the staging
             self.copied.synchronize()
         positions = [seq.num_computed_tokens for seq in seqs]
-        ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
+        late = set(placeholders)
+        ids = [0 if i in late else seq.token_ids[p] for i, (seq, p) in enumerate(zip(seqs, positions))]
         self.host_longs[:2, :size] = torch.tensor([ids + [0] * pad, positions + [0] * pad])
         self.host_longs[2, :num] = tables.slots(rows, self.host_longs[1, :num], [1] * num, block_size)
         self.host_longs[2, num:size] = scratch_block * block_size
@@ -185,11 +189,11 @@ class DecodeGraphs:
         inputs.seq_lens.fill_(1)
         inputs.block_tables[:size, 0] = self.scratch_block
 
-    def prepare(self, seqs: list, tables, rows: list[int]) -> int:
+    def prepare(self, seqs: list, tables, rows: list[int], placeholders=()) -> int:
         """Pad `seqs` (len(seqs) <= the largest size; rows: their rows in the BlockTables `tables`) to its bucket and
-        fill the static buffers. -> the bucket."""
+        fill the static buffers (step25: placeholders, as fill's). -> the bucket."""
         size = padded_size(len(seqs), self.sizes)
-        self.inputs.fill(seqs, tables, rows, size, self.block_size, self.scratch_block)
+        self.inputs.fill(seqs, tables, rows, size, self.block_size, self.scratch_block, placeholders)
         return size
 
     def launch(self, size: int, num_rows: int) -> torch.Tensor:

@@ -110,16 +110,16 @@ class NgramProposer:
         follow = int(full[-1] if len(full) else ends[0]) + 1  # the first draft's index
         return tokens[follow:follow + k].tolist()
 
-    def may_propose(self, token_ids: list[int], num_unknown: int) -> bool:
-        """Could propose() find drafts once the last num_unknown tokens (sampled on the device, not read yet) are
-        known? A match of n tokens that ends at the last token starts with n - num_unknown known tokens that end at
-        the newest known one and occur earlier, among known tokens. So when the last n_min - num_unknown known tokens
-        occur nowhere before, no draft can come, whatever the unknown tokens are: -> False. True when they do (a
-        draft may come), and always when num_unknown >= n_min (nothing known to rule one out)."""
+    def may_propose(self, known: list[int], num_unknown: int) -> bool:
+        """Could propose() find drafts once num_unknown more tokens (sampled on the device, not read yet: the
+        sequence's placeholders) follow the known ones? A match of n tokens that ends at the last token starts with
+        n - num_unknown known tokens that end at the newest known one and occur earlier, among known tokens. So when
+        the last n_min - num_unknown known tokens occur nowhere before, no draft can come, whatever the unknown tokens
+        are: -> False. True when they do (a draft may come), and always when num_unknown >= n_min (nothing known to
+        rule one out)."""
         n = self.n_min - num_unknown
         if n < 1:
             return True
-        known = token_ids[:len(token_ids) - num_unknown]
         if len(known) - 1 < n:
             return False
         return match_ends(np.asarray(known, dtype=np.int64), n, n) is not None
