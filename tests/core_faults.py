@@ -4,23 +4,80 @@ can import it by name. Requests ask for a fault by their seed:
 
 - STEP_FAILURE_SEED: the engine step that serves the request after its first token raises (inside the step: the
   step's requests are dropped, each gets the error, and the core serves on);
+- DEVICE_ERROR_SEED: that step raises a device error instead, as CUDA reports an illegal memory access
+  (torch.AcceleratorError; a RuntimeError naming "CUDA error" on a torch without it);
 - DEATH_SEED: adding the request raises a RuntimeError (outside a step: the core's loop dies).
+
+The core's IO threads get sockets that fail on a mark:
+
+- INPUT_THREAD_FAILURE: a frame (sent as it is, not a message) whose receipt raises in the input thread;
+- OUTPUT_THREAD_FAILURE_SEED: a request whose first output raises in the output thread as it is sent.
 """
+import sys
+
+import msgspec
+import torch
+
 STEP_FAILURE_SEED = 4242
 DEATH_SEED = 4343
+DEVICE_ERROR_SEED = 4444
+INPUT_THREAD_FAILURE = b"\xc1 the input thread fails"  # 0xc1: no msgpack message starts so
+OUTPUT_THREAD_FAILURE_SEED = 4545
+DEVICE_ERROR_MESSAGE = "CUDA error: an illegal memory access was encountered"
+
+
+def device_error() -> RuntimeError:
+    """The exception a CUDA fault raises: torch.AcceleratorError where torch has it (2.8 on)."""
+    return getattr(torch, "AcceleratorError", RuntimeError)(DEVICE_ERROR_MESSAGE)
 
 
 def inject_faults(llm) -> None:
     execute, add = llm.runner.execute, llm._add
+    engine_core = sys.modules[type(llm).__module__]  # the step's engine_core, which built this LLM
+    failing_outputs: set[str] = set()  # the requests (as the core names them) of OUTPUT_THREAD_FAILURE_SEED
 
     def failing_execute(work, *args, **kwargs):
         if any(seq.params.seed == STEP_FAILURE_SEED and seq.output_ids for seq, _ in work):
             raise RuntimeError("injected failure")
+        if any(seq.params.seed == DEVICE_ERROR_SEED and seq.output_ids for seq, _ in work):
+            raise device_error()
         return execute(work, *args, **kwargs)
 
     def failing_add(prompt, ids, params, *args, **kwargs):
         if params.seed == DEATH_SEED:
             raise RuntimeError("injected failure outside a step")
-        return add(prompt, ids, params, *args, **kwargs)
+        request_id = add(prompt, ids, params, *args, **kwargs)
+        if params.seed == OUTPUT_THREAD_FAILURE_SEED:
+            failing_outputs.add(request_id)
+        return request_id
 
     llm.runner.execute, llm._add = failing_execute, failing_add
+    _inject_io_faults(engine_core, failing_outputs)
+
+
+class _FailingSocket:
+    """An IO thread's socket that raises on a marked frame, and passes every other one on."""
+
+    def __init__(self, sock, engine_core, failing_outputs: set[str]):
+        self.sock, self.engine_core, self.failing_outputs = sock, engine_core, failing_outputs
+        self.decoder = msgspec.msgpack.Decoder(engine_core.FromCore)
+
+    def recv(self, *args, **kwargs):
+        frame = self.sock.recv(*args, **kwargs)
+        if frame == INPUT_THREAD_FAILURE:
+            raise RuntimeError("injected failure in the input thread")
+        return frame
+
+    def send(self, frame, *args, **kwargs):
+        msg = self.decoder.decode(frame)
+        if isinstance(msg, self.engine_core.Outputs) and any(d.request_id in self.failing_outputs for d in msg.deltas):
+            raise RuntimeError("injected failure in the output thread")
+        return self.sock.send(frame, *args, **kwargs)
+
+
+def _inject_io_faults(engine_core, failing_outputs: set[str]) -> None:
+    """The core's IO threads get failing sockets: run_engine_core starts them after the setup hook has run."""
+    input_thread, output_thread = engine_core._input_thread, engine_core._output_thread
+    engine_core._input_thread = lambda sock, core: input_thread(_FailingSocket(sock, engine_core, set()), core)
+    engine_core._output_thread = lambda sock, core: output_thread(_FailingSocket(sock, engine_core, failing_outputs),
+                                                                  core)

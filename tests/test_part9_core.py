@@ -4,7 +4,9 @@ it over ZMQ with msgpack messages; outputs come back as deltas, the front end re
 On the CPU, tiny Llama (one core process for the module, started once):
 - streamed outputs equal the offline LLM's, token for token and text for text (greedy, a stop string, logprobs);
 - abort() returns once the core has freed the request's blocks (the core's Stats says so);
-- the core killed with SIGKILL mid-stream: every open stream ends with EngineDeadError within 5 s, later calls too.
+- the core killed with SIGKILL mid-stream: every open stream ends with EngineDeadError within 5 s, later calls too;
+- with speculative decoding (step27 on), a stop string inside a verify's run: the returned cumulative logprob,
+  streamed and offline, is the sum of the returned tokens' logprobs (the core's delta held the tokens past it).
 """
 import asyncio
 import json
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from helpers import alive, children_of, load_engine, step_module
-from registry import TINY, introducing
+from registry import TINY, having, introducing
 from shared import SamplingParams
 
 CORE = introducing("engine_core_process")
@@ -80,6 +82,51 @@ def test_stop_string_from_the_front_end(engine, offline):
            (exp.text, exp.token_ids, exp.finish_reason, exp.stop_reason)
     stats = asyncio.run(engine.get_stats())
     assert stats["free_blocks"] == stats["num_blocks"] and stats["requests"] == 0
+
+
+SPECULATION = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+               "disable_by_batch_size": None}  # every step may draft
+
+
+def _stop_inside_a_run(llm, prompt: str, params: SamplingParams) -> tuple[str, int]:
+    """Run `prompt` and find the first step that gave it several tokens (a verify's run): -> a stop string that
+    first appears with the first token of that run, and the number of tokens up to it."""
+    llm.add_request(prompt, params, request_id="find")
+    seen, ids, runs = 0, [], []
+    while llm.has_unfinished_requests():
+        for out in llm.step(partial=True):
+            ids = out.outputs[0].token_ids
+            if len(ids) - seen >= 2:
+                runs.append(seen)
+            seen = len(ids)
+    assert runs, "no step gave the request 2 tokens or more: the prompt no longer makes drafts"
+    text, before = llm.tokenizer.decode(ids[:runs[0] + 1]), llm.tokenizer.decode(ids[:runs[0]])
+    return next(text[-n:] for n in range(1, len(text) + 1) if text[-n:] not in before), runs[0] + 1
+
+
+@pytest.mark.parametrize("step", having("engine_core_process", "speculative_decoding"))
+def test_cumulative_logprob_counts_no_token_past_a_stop_string_inside_a_speculative_run(step):
+    """A stop string ends the request at the first token of a verify's run. The core knows no stop strings: its
+    delta holds the whole run, and the front end keeps the tokens up to the stop. The cumulative logprob it returns
+    is the sum of the chosen logprobs of the tokens it returns, as the offline engine's is."""
+    options = dict(OPTIONS, speculative_config=SPECULATION)
+    offline = load_engine(step).LLM(TINY, **options)
+    prompt = "the the the the the the"
+    stop, length = _stop_inside_a_run(offline, prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1, stop=[stop])
+    cut_before = offline.stats["spec_cut"]
+    want = offline.generate([prompt], params)[0].outputs[0]
+    assert (len(want.token_ids), want.finish_reason) == (length, "stop")
+    assert offline.stats["spec_cut"] == cut_before + 1 and offline.stats["spec_accepted"] > 0, offline.stats
+    engine = step_module(step, "async_llm").AsyncLLM(TINY, **options)
+    try:
+        got = asyncio.run(_collect(engine, prompt, params))[-1].outputs[0]
+    finally:
+        engine.shutdown()
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+    for out in (want, got):
+        chosen = sum(top[token] for top, token in zip(out.logprobs, out.token_ids))
+        assert abs(out.cumulative_logprob - chosen) < 1e-4, (out.cumulative_logprob, chosen)
 
 
 def test_abort_frees_blocks(engine):

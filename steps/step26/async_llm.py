@@ -15,8 +15,11 @@ with typed msgpack messages: it sends each checked request (its token ids and sa
 and receives outputs as deltas, the new token ids and logprobs of a step. This process keeps what is the callers':
 the tokenizer and the checks, each request's incremental detokenizer and its stop strings (a stop string found here
 aborts the request in the core), and the streams. It rebuilds the RequestOutput each caller gets, equal to the
-offline engine's. One thread of its own reads the core's socket (with a timeout, so it also sees the core die): a
-core that dies (killed, or its loop failed) ends every open stream and every later call with EngineDeadError.
+offline engine's. The core knows each request by a name of its own (core_id), never reused, so that a caller may
+reuse a request id as soon as its request has ended: outputs the core still sends for the old one, and the abort
+that ends it there, can never reach the new one. One thread of its own reads the core's socket (with a timeout, so
+it also sees the core die): a core that dies (killed, or it could not serve on) ends every open stream and every
+later call with EngineDeadError.
 step25's threaded AsyncLLM stays as InProcessAsyncLLM (the step loop in a thread of this process), to compare.
 """
 from __future__ import annotations
@@ -331,10 +334,13 @@ class InProcessAsyncLLM:
 
 # ---- step26: the front end of an engine core in its own process ------------------------------------------------
 class _Request:
-    """One request as the front end follows it: what the core sent so far, and the text it makes."""
+    """One request as the front end follows it: what the core sent so far, and the text it makes. request_id is its
+    caller's name for it; core_id the core's (the front end's own count: no two requests get the same)."""
 
-    def __init__(self, request_id: str, text, ids: list[int], sp: SamplingParams, stream: _Stream, tokenizer):
-        self.request_id, self.prompt, self.prompt_ids, self.params, self.stream = request_id, text, ids, sp, stream
+    def __init__(self, request_id: str, core_id: str, text, ids: list[int], sp: SamplingParams, stream: _Stream,
+                 tokenizer):
+        self.request_id, self.core_id = request_id, core_id
+        self.prompt, self.prompt_ids, self.params, self.stream = text, ids, sp, stream
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.output_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if sp.logprobs is not None else None
@@ -387,10 +393,11 @@ class AsyncLLM:
         self._send_lock = threading.Lock()  # a ZMQ socket is not thread-safe: callers' loops and the reader send
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(wire.FromCore)
-        self._lock = threading.Lock()  # guards _requests and _replies
-        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()  # guards _requests, _by_request_id and _replies
+        self._requests: dict[str, _Request] = {}  # the open requests by core_id (the core's deltas name them so)
+        self._by_request_id: dict[str, _Request] = {}  # the same requests by their callers' request ids
         self._replies: dict[int, tuple] = {}  # reply id -> (event loop, future, value to answer)
-        self._ids, self._reply_ids = itertools.count(), itertools.count(1)
+        self._ids, self._core_ids, self._reply_ids = itertools.count(), itertools.count(), itertools.count(1)
         self._stopped = False
         self._dead: BaseException | None = None
         self._state: dict = {}
@@ -475,12 +482,13 @@ class AsyncLLM:
         with self._lock:  # the reader marks the core dead under this lock: a request added here is one it ends
             if self._dead is not None:
                 raise self.dead_error
-            if request_id in self._requests:
+            if request_id in self._by_request_id:
                 raise ValueError(f"request_id {request_id!r} is already running")
-            self._requests[request_id] = _Request(request_id, text, ids, sp, stream, self.tokenizer)
+            req = _Request(request_id, str(next(self._core_ids)), text, ids, sp, stream, self.tokenizer)
+            self._requests[req.core_id] = self._by_request_id[request_id] = req
         finished = False
         try:
-            self._send(wire.Add(request_id, ids, wire.Params.of(sp)))
+            self._send(wire.Add(req.core_id, ids, wire.Params.of(sp)))
             while not finished:
                 item = await stream.queue.get()
                 while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
@@ -492,21 +500,30 @@ class AsyncLLM:
                 yield item
         finally:
             with self._lock:
-                open_ = self._requests.pop(request_id, None) is not None
+                open_ = self._close(req)
             if not finished and open_ and self._dead is None and not self._stopped:
                 with contextlib.suppress(EngineDeadError, EngineShutDown):  # a core that is gone runs nothing on
-                    self._send(wire.Abort([request_id]))
+                    self._send(wire.Abort([req.core_id]))
 
     async def abort(self, request_id: str) -> bool:
         """End a request now: its blocks are free in the core when this returns, and its stream ends with one last
         output (finished=True, finish_reason "abort"). -> whether it was open."""
         with self._lock:
-            req = self._requests.pop(request_id, None)
+            req = self._by_request_id.get(request_id)
+            if req is not None:
+                self._close(req)
         if req is not None:
             req.finish = Finish("abort", None, req.detokenizer.text)
             req.stream.put(req.output())
-        await self._ask(lambda reply: wire.Abort([request_id], reply))
+        await self._ask(lambda reply: wire.Abort([req.core_id] if req is not None else [], reply))
         return req is not None
+
+    def _close(self, req: _Request) -> bool:
+        """Forget an open request (under the lock): its request id is free again. -> whether it was open."""
+        if self._requests.pop(req.core_id, None) is None:
+            return False
+        del self._by_request_id[req.request_id]
+        return True
 
     async def _ask(self, make) -> dict:
         """Send a message that the core answers with Stats(reply=...); -> the state it holds."""
@@ -531,8 +548,8 @@ class AsyncLLM:
             return
         self._stopped = True
         with self._lock:
-            requests, self._requests = dict(self._requests), {}
-        for req in requests.values():
+            requests, self._requests, self._by_request_id = list(self._requests.values()), {}, {}
+        for req in requests:
             req.stream.put(EngineShutDown("the engine was shut down while this request ran"))
         self._finalizer()
         if self._reader.is_alive() and self._reader is not threading.current_thread():
@@ -581,7 +598,7 @@ class AsyncLLM:
     def _die(self, error: BaseException) -> None:
         with self._lock:
             self._dead = error
-            requests, self._requests = list(self._requests.values()), {}
+            requests, self._requests, self._by_request_id = list(self._requests.values()), {}, {}
             replies, self._replies = list(self._replies.values()), {}
         for req in requests:
             req.stream.put(self.dead_error)
@@ -616,13 +633,13 @@ class AsyncLLM:
                 if req is None or req.finish is not None:
                     continue
                 if d.error is not None:
-                    del self._requests[d.request_id]
+                    self._close(req)
                     item = EngineStepError(d.error) if d.finish_reason == "error" else RuntimeError(d.error)
                     by_loop.setdefault(req.stream.loop, []).append((req.stream.queue, item))
                     continue
                 skip = len(req.output_ids) - d.start  # tokens of this delta the request has already
                 if skip < 0:
-                    raise RuntimeError(f"request {d.request_id}: the core sent tokens from output index {d.start}, "
+                    raise RuntimeError(f"request {req.request_id}: the core sent tokens from output index {d.start}, "
                                        f"the front end has {len(req.output_ids)}: a message was lost")
                 for i in range(skip, len(d.token_ids)):
                     token = d.token_ids[i]
@@ -637,12 +654,12 @@ class AsyncLLM:
                         break
                 req.cumulative_logprob = d.cumulative_logprob
                 if req.finish is not None:
-                    del self._requests[d.request_id]
+                    self._close(req)
                     if d.finish_reason is None:  # a stop string ended it here: the core runs it still
-                        aborts.append(d.request_id)
+                        aborts.append(req.core_id)
                 elif d.finish_reason is not None:  # the core ended it (it should not, before the front end)
                     req.finish = Finish(d.finish_reason, d.stop_reason, req.detokenizer.final_text())
-                    del self._requests[d.request_id]
+                    self._close(req)
                 by_loop.setdefault(req.stream.loop, []).append((req.stream.queue, req.output()))
         if aborts:
             self._send(wire.Abort(aborts))

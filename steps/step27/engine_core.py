@@ -17,9 +17,16 @@ An output is a delta: the token ids (and logprobs) a request got in this step, n
 message's size does not grow with the output's length. The core checks EOS, stop token ids and max_tokens (no
 text needed); stop strings are the front end's, which decodes the text and aborts the request when one appears.
 The core runs the offline engine with its stop strings removed (_CoreLLM: no text is decoded in this process).
+step27: one step can give a request several tokens (a speculative run), and a stop string can end it before the
+last of them; so a delta carries the cumulative logprob after each of its tokens, and the front end returns the
+one after the last token it keeps.
 
-A message that fails to decode is an Error named in the core's log (stderr), and the core serves on. The core
-watches its parent: when the front end dies (its parent pid changes) the core exits, and with it its workers.
+A message that fails to decode is an Error named in the core's log (stderr), and the core serves on. An ordinary
+error in a step fails the requests of that step, and the core serves on. The core dies when it can no longer serve:
+an IO thread died (it no longer hears the front end, or can no longer answer it), a step raised a device error
+(CUDA's errors are sticky: every later step would fail too), or its loop failed outside a step. It then sends a
+fatal Error (if its output thread still can) and exits with status 1; the front end ends every open stream. The
+core watches its parent: when the front end dies (its parent pid changes) the core exits, and with it its workers.
 run_engine_core() is the process's entry point (multiprocessing, spawn method).
 """
 from __future__ import annotations
@@ -67,7 +74,7 @@ class Params(msgspec.Struct, array_like=True):
 
 
 class Add(msgspec.Struct, tag="add", array_like=True):
-    request_id: str
+    request_id: str  # the front end's name for it in the core, never reused (not the caller's request id)
     prompt_ids: list[int]
     params: Params
 
@@ -88,7 +95,7 @@ class Delta(msgspec.Struct, array_like=True):
     start: int  # the output index of token_ids[0]
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per new token (top-N and the chosen one)
-    cumulative_logprob: float
+    cumulative_logprobs: list[float]  # step27: one per new token, the request's cumulative logprob after it
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | None = None  # the stop token id that ended it
     error: str | None = None  # the step that served it failed: the request was dropped
@@ -121,11 +128,36 @@ FromCore = Outputs | Stats | Error | Ready
 
 
 # ---- the core -------------------------------------------------------------------------------------------------
+class CoreFatalError(RuntimeError):
+    """The core cannot serve on: an IO thread died, or a step raised a device error. The busy loop raises it (an IO
+    thread puts it in the inputs queue), and the core dies."""
+
+
+DEVICE_ERROR_MARKERS = ("CUDA error", "Triton Error [CUDA]")  # torch's and Triton's messages for a CUDA failure
+
+
+def is_device_error(error: BaseException) -> bool:
+    """Is this the device failing (an illegal memory access, a launch failure), not the step's own code? torch
+    raises torch.AcceleratorError for it (2.8 on); an older torch, and Triton, a RuntimeError naming CUDA's error.
+    An out-of-memory error is neither: it is not sticky, the next step may fit."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and any(marker in str(error) for marker in DEVICE_ERROR_MARKERS)
+
+
 class _CoreLLM(LLM):
     """The offline engine as the core runs it: it stops on EOS, stop token ids and max_tokens, and decodes no text
-    (stop strings and text are the front end's)."""
+    (stop strings and text are the front end's). A step that fails leaves no step in flight. step27: it keeps the
+    cumulative logprob after each new token until a delta takes it (unsent_cumulative)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.unsent_cumulative: dict[str, list[float]] = {}  # request id -> after each token not sent yet
 
     def _check_stop(self, r, last: int, num_outputs: int) -> Finish | None:
+        """Called once for each new token, after its logprob is counted."""
+        self.unsent_cumulative.setdefault(r.request_id, []).append(r.cumulative_logprob)
         sp = r.params
         if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
             return Finish("stop", None, "")
@@ -134,6 +166,19 @@ class _CoreLLM(LLM):
         if num_outputs >= sp.max_tokens:
             return Finish("length", None, "")
         return None
+
+    def _step(self, partial: bool = False):
+        """LLM._step. A step that raises has dropped its own requests (LLM._step); a step still in flight (launched
+        by the overlapped loop, not read yet) is dropped here, with its requests: after a device error its results
+        could never be read, and while it is in flight the engine has unfinished work."""
+        try:
+            return super()._step(partial)
+        except BaseException:
+            step, self.in_flight = self.in_flight, None
+            if step is not None:
+                for seq in step.seqs:
+                    self.abort_request(seq.request_id)
+            raise
 
 
 class EngineCore:
@@ -155,6 +200,7 @@ class EngineCore:
                 "torch_threads": torch.get_num_threads(), **self.stats}
 
     def run_busy_loop(self) -> None:
+        """Pull, step, push, until the process ends. Raises CoreFatalError when the core cannot serve on."""
         llm = self.llm
         while True:
             # pull: block only when there is nothing to step
@@ -164,8 +210,8 @@ class EngineCore:
                     msg = self.inputs.get(block=block, timeout=0.5 if block else None)  # a signal can still land
                 except queue.Empty:
                     break
-                if msg is None:  # the input thread says stop
-                    return
+                if isinstance(msg, CoreFatalError):  # an IO thread died
+                    raise msg
                 self._handle(msg)
                 block = False
             if not llm.has_unfinished_requests():
@@ -173,12 +219,15 @@ class EngineCore:
             try:
                 finished = {out.request_id: out for out in llm.step()}  # the offline step: only finished outputs
             except Exception as e:  # the step's requests were dropped (LLM._step): each gets the error
+                if is_device_error(e):  # every later step would fail too
+                    raise CoreFatalError(f"a device error in a step: {type(e).__name__}: {e}") from e
                 self.stats["failed_steps"] += 1
                 dropped = [rid for rid in self.sent if rid not in llm.scheduler.requests]
                 message = f"the engine step failed: {type(e).__name__}: {e}"
                 for rid in dropped:
                     del self.sent[rid]
-                self.outputs.put(Outputs([Delta(rid, 0, [], None, 0.0, "error", None, message) for rid in dropped]))
+                    llm.unsent_cumulative.pop(rid, None)
+                self.outputs.put(Outputs([Delta(rid, 0, [], None, [], "error", None, message) for rid in dropped]))
                 continue
             self.stats["steps"] += 1
             deltas = self.deltas(finished)
@@ -188,7 +237,7 @@ class EngineCore:
     def deltas(self, finished: dict) -> list[Delta]:
         """What each request got since the last message: read from its sequence (the tokens after those sent), so
         no request's whole output is copied per step, in this process or on the wire."""
-        deltas, requests = [], self.llm.scheduler.requests
+        deltas, requests, cumulative = [], self.llm.scheduler.requests, self.llm.unsent_cumulative
         for rid, sent in list(self.sent.items()):
             out = finished.get(rid)
             if out is not None:  # finished in this step: its last tokens, and why it ended
@@ -196,15 +245,15 @@ class EngineCore:
                 del self.sent[rid]
                 stop_reason = c.stop_reason if isinstance(c.stop_reason, int) else None
                 logprobs = c.logprobs[sent:] if c.logprobs is not None else None
-                deltas.append(Delta(rid, sent, c.token_ids[sent:], logprobs, c.cumulative_logprob, c.finish_reason,
-                                    stop_reason))
+                deltas.append(Delta(rid, sent, c.token_ids[sent:], logprobs, cumulative.pop(rid, []),
+                                    c.finish_reason, stop_reason))
                 continue
             seq = requests.get(rid)
             known = seq.num_known_outputs if seq is not None else sent
             if known > sent:  # running, with tokens read since the last message (PENDING places are not read)
                 self.sent[rid] = known
                 logprobs = seq.logprobs[sent:known] if seq.logprobs is not None else None
-                deltas.append(Delta(rid, sent, seq.output_ids[sent:known], logprobs, seq.cumulative_logprob))
+                deltas.append(Delta(rid, sent, seq.output_ids[sent:known], logprobs, cumulative.pop(rid, [])))
         return deltas
 
     def _handle(self, msg) -> None:
@@ -214,12 +263,13 @@ class EngineCore:
                 llm._add(None, msg.prompt_ids, msg.params.sampling_params(), request_id=msg.request_id)
                 self.sent[msg.request_id] = 0
             except ValueError as e:
-                self.outputs.put(Outputs([Delta(msg.request_id, 0, [], None, 0.0, "error", None, str(e))]))
+                self.outputs.put(Outputs([Delta(msg.request_id, 0, [], None, [], "error", None, str(e))]))
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
                 if llm.abort_request(rid) is not None:
                     self.stats["aborted"] += 1
                 self.sent.pop(rid, None)
+                llm.unsent_cumulative.pop(rid, None)
             if msg.reply:  # after the blocks are free
                 self.outputs.put(Stats(msg.reply, self.state()))
         elif isinstance(msg, GetStats):
@@ -258,26 +308,49 @@ def host_threads_for(device: torch.device) -> int | None:
 
 
 def _input_thread(sock: zmq.Socket, core: EngineCore) -> None:
+    """Receive and decode the front end's messages into the inputs queue. If this thread dies, the core hears
+    nothing more (no request, no abort): it tells the busy loop, which dies."""
     decoder = msgspec.msgpack.Decoder(ToCore)
-    while True:
-        frame = sock.recv()
-        try:
-            msg = decoder.decode(frame)
-        except msgspec.DecodeError as e:  # named in the log; the core serves on
-            core.stats["bad_messages"] += 1
-            print(f"engine core: a message failed to decode ({len(frame)} bytes): {e}", file=sys.stderr, flush=True)
-            core.outputs.put(Error(f"a message failed to decode: {e}"))
-            continue
-        core.inputs.put(msg)
+    try:
+        while True:
+            frame = sock.recv()
+            try:
+                msg = decoder.decode(frame)
+            except msgspec.DecodeError as e:  # named in the log; the core serves on
+                core.stats["bad_messages"] += 1
+                print(f"engine core: a message failed to decode ({len(frame)} bytes): {e}", file=sys.stderr,
+                      flush=True)
+                core.outputs.put(Error(f"a message failed to decode: {e}"))
+                continue
+            core.inputs.put(msg)
+    except BaseException as e:
+        core.inputs.put(_io_failure("input", e))
 
 
 def _output_thread(sock: zmq.Socket, core: EngineCore) -> None:
+    """Encode and send what the busy loop puts in the outputs queue, until it puts None. If this thread dies, no
+    output reaches the front end any more: it sends the fatal Error itself (if the socket still takes one) and tells
+    the busy loop, which dies."""
     encoder = msgspec.msgpack.Encoder()
-    while True:
-        msg = core.outputs.get()
-        if msg is None:
-            return
-        sock.send(encoder.encode(msg), copy=False)
+    try:
+        while True:
+            msg = core.outputs.get()
+            if msg is None:
+                return
+            sock.send(encoder.encode(msg), copy=False)
+    except BaseException as e:
+        failure = _io_failure("output", e)
+        try:
+            sock.send(encoder.encode(Error(str(failure), fatal=True)))
+        except Exception:  # noqa: BLE001 (the socket may be what failed: the front end sees the process exit)
+            pass
+        core.inputs.put(failure)
+
+
+def _io_failure(thread: str, error: BaseException) -> CoreFatalError:
+    failure = CoreFatalError(f"its {thread} thread failed: {type(error).__name__}: {error}")
+    failure.__cause__ = error  # the core's log shows where it failed
+    return failure
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -296,8 +369,9 @@ def _exit_cleanly(signum, frame) -> None:
 def run_engine_core(model: str, engine_options: dict, input_addr: str, output_addr: str, parent_pid: int,
                     setup=None) -> None:
     """The core process's entry point: connect the sockets, build the LLM, say Ready (or the Error that stopped the
-    build), then run the busy loop until the process ends. A loop that dies sends a fatal Error first. `setup`, if
-    given, is a module-level function called with the LLM once it is built (the tests inject faults with it)."""
+    build), then run the busy loop until the process ends. A loop that dies sends a fatal Error first, and the
+    process exits with status 1. `setup`, if given, is a module-level function called with the LLM once it is built
+    (the tests inject faults with it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front end decides
     signal.signal(signal.SIGTERM, _exit_cleanly)  # the front end's stop: the loop ends, the LLM shuts down
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent watch", daemon=True).start()
@@ -325,15 +399,23 @@ def run_engine_core(model: str, engine_options: dict, input_addr: str, output_ad
     threading.Thread(target=_input_thread, args=(inp, core), name="core input", daemon=True).start()
     writer = threading.Thread(target=_output_thread, args=(out, core), name="core output", daemon=True)
     writer.start()
+    died = False
     try:
         core.run_busy_loop()
     except SystemExit:  # SIGTERM: stopped, not dead
         pass
     except BaseException as e:
+        died = True
         traceback.print_exc()
-        core.outputs.put(Error(f"its loop failed: {type(e).__name__}: {e}", fatal=True))
+        why = str(e) if isinstance(e, CoreFatalError) else f"its loop failed: {type(e).__name__}: {e}"
+        core.outputs.put(Error(why, fatal=True))
     finally:
         core.outputs.put(None)
         writer.join(timeout=5)
-        llm.shutdown()
+        try:
+            llm.shutdown()
+        except Exception:  # noqa: BLE001 (after a device error, waiting for the device fails too)
+            traceback.print_exc()
         out.close(linger=2000)
+    if died:
+        sys.exit(1)
