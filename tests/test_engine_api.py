@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 from shared import SamplingParams
-from helpers import load_engine
+from helpers import load_engine, step_module
 from registry import has, having
 from test_part2 import MAX_TOKENS, PROMPTS, TINY, assert_same, greedy, reference
 
@@ -99,10 +99,18 @@ def test_a_failed_step_drops_its_requests(step, fail_at, monkeypatch):
     assert_same([o.outputs[0] for o in again], reference([greedy(12)] * 8)[:3], step)
 
 
+def status_enum(step):
+    """The step's request states: sequence.py's SequenceStatus where the step has sequence.py, else RequestStatus,
+    which the engine exports (the scheduler's)."""
+    try:
+        return step_module(step, "sequence").SequenceStatus
+    except ModuleNotFoundError:
+        return load_engine(step).RequestStatus
+
+
 @pytest.mark.parametrize("step", SCHEDULED)
 def test_request_status_follows_its_life(step):
-    engine_module = load_engine(step)
-    status = engine_module.RequestStatus
+    status = status_enum(step)
     llm = engine(step)
     rid = llm.add_request(PROMPTS[3], greedy(3))
     request = llm.scheduler.waiting[0]
@@ -118,7 +126,7 @@ def test_request_status_follows_its_life(step):
 
 @pytest.mark.parametrize("step", having("preemption"))
 def test_preempted_status(step):
-    status = load_engine(step).RequestStatus
+    status = status_enum(step)
     options = {"block_size": 16} if has(step, "paged_kv") else {}
     llm = engine(step, max_num_seqs=8, max_kv_tokens=80, **options)
     seen = set()

@@ -26,10 +26,8 @@ from .model import CausalLM
 from .model_runner import CPU_DEFAULT_KV_TOKENS, ModelRunner, kv_bytes_per_token, kv_pool_blocks  # noqa: F401
 from .sampler import request_seed
 from .scheduler import Scheduler
-from .sequence import Finish, Sequence, SequenceStatus
+from .sequence import Finish, Sequence
 from .timers import PhaseTimers
-
-RequestStatus = SequenceStatus  # the name steps 05-13 exported; same states
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: int, n: int) -> dict[int, float]:

@@ -46,10 +46,8 @@ from .model_runner import (CPU_DEFAULT_KV_TOKENS, ModelRunner, kv_bytes_per_toke
                            to_device)
 from .sampler import request_seed
 from .scheduler import Scheduler
-from .sequence import Finish, Sequence, SequenceStatus
+from .sequence import Finish, Sequence
 from .timers import PhaseTimers
-
-RequestStatus = SequenceStatus  # the name steps 05-13 exported; same states
 
 
 def check_enforce_eager(enforce_eager) -> bool:

@@ -59,10 +59,8 @@ from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blo
 from .parallel import TensorParallel, WorkerError, check_tensor_parallel_size, rank_device
 from .sampler import request_seed
 from .scheduler import Scheduler
-from .sequence import Finish, Sequence, SequenceStatus
+from .sequence import Finish, Sequence
 from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
-
-RequestStatus = SequenceStatus  # the name steps 05-13 exported; same states
 
 
 def check_enforce_eager(enforce_eager) -> bool:

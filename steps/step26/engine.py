@@ -72,8 +72,6 @@ from .scheduler import Scheduler
 from .sequence import Finish, Sequence, SequenceStatus
 from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
 
-RequestStatus = SequenceStatus  # the name steps 05-13 exported; same states
-
 
 def check_enforce_eager(enforce_eager) -> bool:
     """enforce_eager must be a bool (vLLM's option): True runs every step eagerly, False replays CUDA graphs."""

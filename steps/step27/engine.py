@@ -87,7 +87,6 @@ from .sequence import Finish, Sequence, SequenceStatus
 from .speculative import NgramProposer, SpeculativeConfig, accepted_runs, verify
 from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
 
-RequestStatus = SequenceStatus  # the name steps 05-13 exported; same states
 # step27: verify steps of up to this many requests replay a graph (fewer if disable_by_batch_size says so); a
 # larger batch's verify forward is compute, not launches, and runs eagerly
 VERIFY_GRAPH_MAX_SEQS = 32
