@@ -84,7 +84,6 @@ class StaticDecodeInputs:
         self.cu_seqlens_q = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
         self.tile_seq = torch.arange(max_seqs, dtype=torch.int32, device=device)
         self.tile_first = torch.zeros(max_seqs, dtype=torch.int32, device=device)
-        self.copies = 0  # host-to-device copies queued (two per fill)
 
     def fill(self, seqs: list, tables, rows: list[int], size: int, block_size: int, scratch_block: int) -> None:
         """The decodes of `seqs` (each: its newest token, the one without K/V yet; rows: their rows in the runner's
@@ -108,7 +107,6 @@ class StaticDecodeInputs:
         self.longs.copy_(self.host_longs, non_blocking=True)  # 3 x max_seqs int64: one small copy
         used = self.max_seqs + size * self.max_blocks  # the lengths and the first `size` table rows, contiguous
         self.ints[:used].copy_(self.host_ints[:used], non_blocking=True)
-        self.copies += 2
 
 
 class DecodeGraphs:

@@ -86,7 +86,6 @@ class StaticDecodeInputs:
         self.cu_seqlens_q = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
         self.tile_seq = torch.arange(max_seqs, dtype=torch.int32, device=device)
         self.tile_first = torch.zeros(max_seqs, dtype=torch.int32, device=device)
-        self.copies = 0  # host-to-device copies queued (two per fill)
         self.copied = torch.cuda.Event() if pin else None  # step25: recorded behind each fill's copies
 
     def fill(self, seqs: list, tables, rows: list[int], size: int, block_size: int, scratch_block: int,
@@ -119,7 +118,6 @@ class StaticDecodeInputs:
         self.ints[:used].copy_(self.host_ints[:used], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        self.copies += 2
 
 
 class DecodeGraphs:
