@@ -44,6 +44,53 @@ class FakeRequest:
         return len(self.token_ids)
 
 
+class RowWrites:
+    """Counts, while active, the entries that torch operators write into a BlockTables' rows (model_runner.py, step18
+    on): a TorchDispatchMode sees every operator as it runs, so the count is what reaches the rows tensor, not what
+    the code says it wrote. An indexed write (index_put_) counts the entries it indexes; any other write into the
+    rows counts the whole view it writes."""
+
+    def __init__(self, tables):
+        self.storage = tables.rows.untyped_storage().data_ptr()
+        self.entries = 0
+
+    def __enter__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                schema = func._schema.arguments
+                values = list(args) + [kwargs.get(a.name) for a in schema[len(args):]]
+                for a, v in zip(schema, values):
+                    if (a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor)
+                            and v.untyped_storage().data_ptr() == counter.storage):
+                        counter.entries += counter.count(func, v, values)
+                return func(*args, **kwargs)
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    @staticmethod
+    def count(func, target, values) -> int:
+        """The entries one operator writes into target (a view of the rows)."""
+        indices = values[1] if func._schema.name in ("aten::index_put_", "aten::_index_put_impl_") else None
+        if indices is None or any(i is None for i in indices):
+            return target.numel()
+        import torch
+
+        indexed = math.prod(torch.broadcast_shapes(*(i.shape for i in indices)))
+        return indexed * math.prod(target.shape[len(indices):])
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        return False
+
+
 def load_engine(step: str):
     """The `engine` module of steps/<step>."""
     return importlib.import_module(f"steps.{step}.engine")

@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine, step_module
+from helpers import STEP_LOGPROB_ATOL_FP32, RowWrites, compare_completions, load_engine, step_module
 from registry import has, having, introducing, last_before
 from shared import SamplingParams
 
@@ -38,10 +38,11 @@ class FakeSeq:
 
 
 def step_rows(tables, seqs):
-    """One step's block-table update, as the runner does it -> (its rows, the entries it wrote)."""
-    before = tables.written
-    rows = tables.write(tables.changes([(seq, 1) for seq in seqs]))
-    return rows, tables.written - before
+    """One step's block-table update, as the runner does it -> (its rows, the entries written into the rows tensor,
+    counted as the operators run: RowWrites)."""
+    with RowWrites(tables) as writes:
+        rows = tables.write(tables.changes([(seq, 1) for seq in seqs]))
+    return rows, writes.entries
 
 
 @pytest.mark.parametrize("step", having("block_table_rows"))
@@ -131,17 +132,26 @@ def run_counted(llm, prompts, params):
         return work
 
     scheduler.schedule = recorded
+    step = llm.step
+
+    def counted_step(*args, **kwargs):  # the entries written into the rows tensor during the step (RowWrites)
+        with RowWrites(tables) as writes:
+            outs = step(*args, **kwargs)
+        state["written"] = writes.entries
+        return outs
+
+    llm.step = counted_step
     counted = {"decode_steps_writing_0": 0, "decode_steps_writing": 0, "entries": 0, "preempted_rows_freed": 0}
     owners: dict[int, set] = {}  # row -> every request that held it
     last_len: dict[str, int] = {}  # request -> its table's length after the last step that scheduled it
     state = {}
 
     def before_step():
-        state.update(before=tables.written, preemptions=scheduler.num_preemptions)
+        state.update(preemptions=scheduler.num_preemptions)
 
     def after_step(steps):
         nonlocal last_len
-        work, written, preemptions = scheduled[-1], tables.written - state["before"], state["preemptions"]
+        work, written, preemptions = scheduled[-1], state["written"], state["preemptions"]
         # what the tables grew by since each sequence's last step: the whole table for one without a row
         grown = sum(length - last_len.get(seq.request_id, 0) for seq, _, _, length in work)
         assert written == grown, f"step {steps}: {written} entries written, the tables grew by {grown}"

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TP_LOGPROB_ATOL_FP32, alive, children_of, compare_completions, load_engine, step_module
+from helpers import (TP_LOGPROB_ATOL_FP32, RowWrites, alive, children_of, compare_completions, load_engine,
+                     step_module)
 from registry import having, introducing, last_before
 from shared import SamplingParams, resolve_model
 
@@ -169,10 +170,10 @@ def test_workers_keep_rank_0s_rows_and_the_broadcast_carries_only_new_blocks(mon
             llm.add_request(prompt, sp)
         outs, quiet_decode_steps, compared = [], 0, 0
         while llm.has_unfinished_requests():
-            before = tables.written
-            outs += llm.step()
+            with RowWrites(tables) as writes:  # the entries written into rank 0's rows, as the operators run
+                outs += llm.step()
             num, new_tokens, carried, whole, numel = sent[-1]
-            assert carried == tables.written - before  # what rank 0 wrote into its rows, and nothing more
+            assert carried == writes.entries  # what rank 0 wrote into its rows, and nothing more
             assert numel == 1 + 6 * num + new_tokens + carried
             quiet_decode_steps += new_tokens == num and carried == 0
             (worker,) = llm.workers.block_tables()

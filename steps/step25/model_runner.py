@@ -81,7 +81,7 @@ class BlockTables:
     sequence the blocks it got since its last step (none for a decode whose block has room; one when it crosses
     a block boundary; the whole table the first time), and write() puts them into the rows in place, one indexed
     copy for all of them. The step's rows are then read from here: gather() for the kernels' block tables,
-    slots() for the slot mapping. `written` counts the block ids written, so a test can see each written once."""
+    slots() for the slot mapping."""
 
     def __init__(self, max_rows: int, max_blocks: int, device: torch.device):
         self.max_rows, self.max_blocks, self.pinned = max_rows, max_blocks, device.type == "cuda"
@@ -89,7 +89,6 @@ class BlockTables:
         self.lengths = [0] * max_rows
         self.row_of: dict[str, int] = {}  # request id -> its row, while the request holds blocks
         self.free_rows = list(range(max_rows - 1, -1, -1))  # pop() takes the lowest row first
-        self.written = 0  # block ids written into rows since the engine started
 
     def changes(self, work) -> list[tuple[int, int, list[int]]]:
         """The scheduled [(sequence, new tokens)] -> for each, (its row, how many blocks the row holds already, the
@@ -123,7 +122,6 @@ class BlockTables:
             self.lengths[row] = start + len(new)
         if blocks:
             self.rows[torch.tensor(rows), torch.tensor(columns)] = torch.tensor(blocks, dtype=torch.int32)
-            self.written += len(blocks)
         return [row for row, _, _ in changes]
 
     def release(self, request) -> None:
