@@ -251,8 +251,10 @@ def kernel_arg_parser(description: str):
 
 def interpreter_off_cuda(args) -> None:
     """Off CUDA the demos run their kernels in Triton's interpreter (TRITON_INTERPRET=1). Triton reads the switch
-    when `triton.language` is first imported, and the first load of the embedded model imports it (transformers
-    does, to convert the GGUF file), so this runs before the engine is built: call it first in main().
+    as each kernel is defined, its own too: `triton.language`'s functions (tl.sum, tl.max ...) are kernels defined
+    when it is first imported, and a kernel of the interpreter fails calling compiled ones. The first load of the
+    embedded model imports it (transformers does, to convert the GGUF file), and from step21 on so does importing
+    the engine (model_runner.py imports kernels/sampling.py): call this first in main(), before either.
     It also refuses, before anything loads, what the interpreter cannot compute: bfloat16 (it multiplies the raw
     bits), which the demos' kernels would turn into garbage after the model has loaded and answered."""
     import os

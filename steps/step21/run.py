@@ -29,7 +29,6 @@ from shared.bench import decode_weight_bytes
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .cuda_graphs import graph_batch_sizes, padded_size
-from .engine import LLM
 
 
 def main() -> None:
@@ -38,7 +37,11 @@ def main() -> None:
     parser.add_argument("--seats", type=int, default=256, help="seats of the large workload (default: %(default)s)")
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
+        # before the engine is imported: importing it imports triton (model_runner.py imports kernels/sampling.py),
+        # which reads the interpreter's switch then (shared/anatomy.py)
         interpreter_off_cuda(args)
+        from .engine import LLM
+
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                   enforce_eager=args.enforce_eager, **demo_options(args))
         print_header("step21: CUDA graphs", llm)

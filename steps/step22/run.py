@@ -24,7 +24,6 @@ from shared import SamplingParams, resolve_model
 from shared.anatomy import QUESTIONS, before_after, demo_options, interpreter_off_cuda, kernel_arg_parser, load_llm
 from shared.cli import answer_question, format_table, print_header, user_errors
 
-from .engine import LLM
 from .model import ModelConfig, rank_config
 from .parallel import TIMEOUT_S, TensorParallel, WorkerError, free_port, rank_device
 
@@ -36,7 +35,11 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="the demo engine without CUDA graphs")
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
+        # before the engine is imported: importing it imports triton (model_runner.py imports kernels/sampling.py),
+        # which reads the interpreter's switch then (shared/anatomy.py)
         interpreter_off_cuda(args)
+        from .engine import LLM
+
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                   enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
                   **demo_options(args))
@@ -69,6 +72,8 @@ def show_lesson(llm, args) -> None:
 
 def demo_engine(args, tensor_parallel_size: int):
     """The demo's engine as main() builds it (with --tensor-parallel-size, started again after the comparison)."""
+    from .engine import LLM  # after main()'s interpreter_off_cuda, as there
+
     return LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                enforce_eager=args.enforce_eager, tensor_parallel_size=tensor_parallel_size, **demo_options(args))
 
