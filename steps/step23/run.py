@@ -56,7 +56,8 @@ async def show_streams(engine, llm, tokens: int) -> None:
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     start, events, results = time.perf_counter(), [], {}
-    first_tokens = asyncio.Event(), asyncio.Event()  # A has 4 tokens / 8 tokens: B and C arrive
+    arrive_at = min(4, tokens), min(8, tokens)  # B, then C, arrives once A has this many tokens (A has `tokens`)
+    first_tokens = asyncio.Event(), asyncio.Event()  # set then
 
     async def stream(i: int) -> None:
         if i:
@@ -68,16 +69,17 @@ async def show_streams(engine, llm, tokens: int) -> None:
             c = out.outputs[0]
             first = first if first is not None else now
             events.append((now, names[i], len(c.token_ids), c.text))
-            if i == 0 and len(c.token_ids) >= 4:
+            if i == 0 and len(c.token_ids) >= arrive_at[0]:
                 first_tokens[0].set()
-            if i == 0 and len(c.token_ids) >= 8:
+            if i == 0 and len(c.token_ids) >= arrive_at[1]:
                 first_tokens[1].set()
         results[names[i]] = (arrived, first, now, c)
 
     await asyncio.gather(*(stream(i) for i in range(3)))
     offline = llm.generate(prompts, params)
-    print(f"\nThree requests, {tokens} new tokens each (greedy), on one event loop; B arrives once A has 4 tokens,\n"
-          "C once A has 8. Each line is one output as its stream received it (the text it added):")
+    print(f"\nThree requests, {tokens} new tokens each (greedy), on one event loop; B arrives once A has "
+          f"{arrive_at[0]} tokens,\nC once A has {arrive_at[1]}. Each line is one output as its stream received it "
+          "(the text it added):")
     shown = {}
     for at, name, n, text in events:
         new, shown[name] = text[len(shown.get(name, "")):], text
