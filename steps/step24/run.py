@@ -122,7 +122,7 @@ def show_benchmark(llm, base: str, args) -> list[dict]:
         if r["failed"]:
             raise RuntimeError(f"{r['failed']} request(s) failed at rate {rate}: {r['errors']}")
         rows.append([r["request_rate"], f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}",
-                     *(f"{r[k]['mean']:.1f} / {r[k]['p99']:.1f}" for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))])
+                     *(latency(r[k]) for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))])
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     start = time.perf_counter()
@@ -135,6 +135,11 @@ def show_benchmark(llm, base: str, args) -> list[dict]:
     print(f"Offline, the same requests through LLM.generate in this process: {offline:.1f} output tokens/s.\n"
           f"At saturation the server made {saturated:.1f}: {saturated / offline:.2f}x the offline engine.")
     return results
+
+
+def latency(ms: dict) -> str:
+    """mean / p99 in ms; "-" where there is none (TPOT and ITL of answers of one token: no gap between tokens)."""
+    return "-" if ms["mean"] is None else f"{ms['mean']:.1f} / {ms['p99']:.1f}"
 
 
 if __name__ == "__main__":
