@@ -101,6 +101,15 @@ def step_module(step: str, name: str):
     return importlib.import_module(f"steps.{step}.{name}")
 
 
+def shell_env() -> dict:
+    """The environment of a command a test runs as a user runs it: this process's, without what tests/conftest.py
+    sets for the tests' own imports, TRITON_INTERPRET (a user's shell on a CPU has none; a run.py that runs kernels
+    sets it itself, before anything imports triton)."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
 def copies_param(group: list[str], *values, id: str = ""):
     """A pytest.param for a test of step modules that the steps of `group` (one group of registry.distinct_copies)
     hold byte for byte: the test runs on the group's first step, its id names every step of the group

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from helpers import (TP_LOGPROB_ATOL_FP32, RowWrites, alive, children_of, compare_completions, load_engine,
-                     step_module)
+                     shell_env, step_module)
 from registry import having, introducing, last_before
 from shared import SamplingParams, resolve_model
 
@@ -354,7 +354,7 @@ def test_run_py_with_a_tensor_parallel_demo_engine_runs_to_its_end():
     again for the comparison with step21)."""
     proc = subprocess.run([sys.executable, f"steps/{TP}/run.py", "--model", "random:tiny-llama", "--device", "cpu",
                            "--tensor-parallel-size", "2", "--max-tokens", "8", "--lesson-tokens", "9"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=shell_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tensor parallel: 2 ranks (gloo)" in proc.stdout and "same as tp=1" in proc.stdout
     assert "The outputs are equal, token for token" in proc.stdout  # step21 against the tp=2 demo engine

@@ -12,9 +12,10 @@ KERNEL_STEPS = [s for s in STEPS if "interpreter_off_cuda(args)" in (ROOT / "ste
 
 
 def run_py(step, args, capsys, monkeypatch):
-    """`python steps/<step>/run.py args...` -> (exit status, stdout, stderr). As tests/test_scripts.py's test_run_py:
-    the newest step runs as the real command, in a fresh process; the others in this process (runpy,
-    patched argv), where an exception other than SystemExit, a traceback in a process, fails the test."""
+    """`python steps/<step>/run.py args...` -> (exit status, stdout, stderr). The newest step runs as the real
+    command, in a fresh process; the others in this process (runpy, patched argv), where an exception other than
+    SystemExit, a traceback in a process, fails the test. (These runs stop before the model loads;
+    test_scripts.py's test_run_py runs every step's run.py to its end as the real command.)"""
     if step == NEWEST:
         proc = subprocess.run([sys.executable, f"steps/{step}/run.py", *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=300)
