@@ -133,6 +133,16 @@ def check_length(index: int, prompt_len: int, params: SamplingParams, max_model_
         )
 
 
+def check_fits_kv_pool(index: int, prompt_len: int, params: SamplingParams, num_blocks: int, block_size: int) -> None:
+    """prompt + max_tokens must fit in a KV pool of num_blocks blocks of block_size tokens, even alone: a request
+    that never could is refused at once instead of waiting forever (a plain ValueError: it fits the context)."""
+    needed = prompt_len + params.max_tokens
+    if -(-needed // block_size) > num_blocks:
+        raise ValueError(f"prompts[{index}]: prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
+                         f"{needed} exceeds max_kv_tokens ({num_blocks * block_size} = {num_blocks} blocks of "
+                         f"{block_size}): it could never fit in the KV pool")
+
+
 def check_conversations(conversations) -> list[list[dict]]:
     """One conversation (a list of {"role", "content"} dicts) or a list of them."""
     if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):

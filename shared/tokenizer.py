@@ -5,12 +5,25 @@ import functools
 import json
 from pathlib import Path
 
+# transformers' names for its plain fast tokenizer (5.x calls it TokenizersBackend; PreTrainedTokenizerFast is its
+# alias, and its name before 5.0)
+FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
 
 @functools.lru_cache(maxsize=8)
 def _hf_tokenizer(model_dir: str, files_stamp: tuple):
     """The HF tokenizer of a model folder, loaded once per process (about half a second each time otherwise) and
     shared by every engine built on that folder: nothing here changes its settings. files_stamp (the tokenizer
-    files' names, sizes and modification times) is part of the key, so a folder whose files change is read again."""
+    files' names, sizes and modification times) is part of the key, so a folder whose files change is read again.
+    A folder whose tokenizer is the plain fast one (every model folder this project makes: tokenizer.json, read by
+    `tokenizers`) loads it with that class itself, not through AutoTokenizer, which imports transformers' model
+    configurations and torch with them: a serving front end (step26 on) runs without torch."""
+    config = Path(model_dir) / "tokenizer_config.json"
+    named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if named in FAST_TOKENIZER_CLASSES and (Path(model_dir) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)

@@ -12,7 +12,11 @@ The core's IO threads get sockets that fail on a mark:
 
 - INPUT_THREAD_FAILURE: a frame (sent as it is, not a message) whose receipt raises in the input thread;
 - OUTPUT_THREAD_FAILURE_SEED: a request whose first output raises in the output thread as it is sent.
+
+speak_another_protocol, another setup hook, makes the core state a wire protocol version its front end does not
+speak (in its Ready message).
 """
+import importlib
 import sys
 
 import msgspec
@@ -55,12 +59,19 @@ def inject_faults(llm) -> None:
     _inject_io_faults(engine_core, failing_outputs)
 
 
+def speak_another_protocol(llm) -> None:
+    """The core's Ready states a protocol version 1000 past its own (engine_core sends its PROTOCOL_VERSION)."""
+    engine_core = sys.modules[type(llm).__module__]
+    engine_core.PROTOCOL_VERSION += 1000
+
+
 class _FailingSocket:
     """An IO thread's socket that raises on a marked frame, and passes every other one on."""
 
     def __init__(self, sock, engine_core, failing_outputs: set[str]):
-        self.sock, self.engine_core, self.failing_outputs = sock, engine_core, failing_outputs
-        self.decoder = msgspec.msgpack.Decoder(engine_core.FromCore)
+        self.sock, self.failing_outputs = sock, failing_outputs
+        self.wire = importlib.import_module(f"{engine_core.__package__}.wire")  # the step's messages
+        self.decoder = msgspec.msgpack.Decoder(self.wire.FromCore)
 
     def recv(self, *args, **kwargs):
         frame = self.sock.recv(*args, **kwargs)
@@ -70,7 +81,7 @@ class _FailingSocket:
 
     def send(self, frame, *args, **kwargs):
         msg = self.decoder.decode(frame)
-        if isinstance(msg, self.engine_core.Outputs) and any(d.request_id in self.failing_outputs for d in msg.deltas):
+        if isinstance(msg, self.wire.Outputs) and any(d.request_id in self.failing_outputs for d in msg.deltas):
             raise RuntimeError("injected failure in the output thread")
         return self.sock.send(frame, *args, **kwargs)
 

@@ -6,7 +6,14 @@ On the CPU, tiny Llama (one core process for the module, started once):
 - abort() returns once the core has freed the request's blocks (the core's Stats says so);
 - the core killed with SIGKILL mid-stream: every open stream ends with EngineDeadError within 5 s, later calls too;
 - with speculative decoding (step27 on), a stop string inside a verify's run: the returned cumulative logprob,
-  streamed and offline, is the sum of the returned tokens' logprobs (the core's delta held the tokens past it).
+  streamed and offline, is the sum of the returned tokens' logprobs (the core's delta held the tokens past it); a
+  core that drafts streams the offline tokens, and its Stats show drafts accepted (the engine's counters);
+- a core with async_scheduling=True streams what the offline engine makes, and an abort of a request whose step is
+  in flight ends it as aborted with every block free;
+- the wire (wire.py): every SamplingParams field the core reads survives an Add's encoding and decoding; a core
+  that states another protocol version is refused, naming both; the front end's modules, and a front end serving a
+  request, import no torch;
+- the core's torch host threads are the ones OMP_NUM_THREADS sets, on the CPU.
 """
 import asyncio
 import json
@@ -20,11 +27,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import alive, children_of, load_engine, step_module
+from core_faults import speak_another_protocol
+from helpers import alive, children_of, copies_params, load_engine, step_module
 from registry import TINY, having, introducing
 from shared import SamplingParams
 
 CORE = introducing("engine_core_process")
+STEPS = having("engine_core_process")
 OPTIONS = dict(device="cpu", dtype="float32", max_kv_tokens=4096, max_num_seqs=8)
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    ", "Once upon a time", "Hello"]
@@ -338,7 +347,15 @@ def test_the_core_reports_its_cpu_by_thread_and_its_host_threads(engine, monkeyp
     state = asyncio.run(engine.get_stats())
     threads = state["threads_cpu_s"]
     assert threads["MainThread"] > 0 and {"core input", "core output"} <= set(threads), threads
-    assert state["torch_threads"] >= 1
+    # on the CPU the core leaves torch's pool as OMP_NUM_THREADS sets it (torch takes at most one per core): a core
+    # started with another count than this one's reports that count
+    setting = 2 if state["torch_threads"] == 1 else 1
+    monkeypatch.setenv("OMP_NUM_THREADS", str(setting))
+    other = step_module(CORE, "async_llm").AsyncLLM(TINY, **OPTIONS)
+    try:
+        assert asyncio.run(other.get_stats())["torch_threads"] == min(setting, os.cpu_count() or 1)
+    finally:
+        other.shutdown()
     import torch
 
     host_threads_for = step_module(CORE, "engine_core").host_threads_for
@@ -387,3 +404,141 @@ def test_the_cores_tensor_parallel_workers_do_not_outlive_it():
         assert not any(map(alive, workers)), f"workers left: {[w for w in workers if alive(w)]}"
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("step", having("engine_core_process", "speculative_decoding"))
+def test_a_core_that_drafts_streams_the_offline_tokens_and_reports_drafts_accepted(step):
+    """The core's Stats carry the engine's own counters (LLM.stats, under "engine"): a request that repeats itself
+    streams the offline engine's tokens through a core with n-gram speculation on, and the core reports the drafts
+    it accepted."""
+    options = dict(OPTIONS, speculative_config=SPECULATION)
+    prompt, params = "the the the the the the", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = load_engine(step).LLM(TINY, **options).generate([prompt], params)[0].outputs[0].token_ids
+    engine = step_module(step, "async_llm").AsyncLLM(TINY, **options)
+    try:
+        got = asyncio.run(_collect(engine, prompt, params))[-1].outputs[0].token_ids
+        counters = asyncio.run(engine.get_stats())["engine"]
+    finally:
+        engine.shutdown()
+    assert got == want
+    assert counters["spec_accepted"] > 0 and counters["spec_verified"] > 0, counters
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_an_overlapped_core_streams_what_offline_makes_and_an_abort_in_flight_frees_its_blocks(step):
+    """async_scheduling=True on the CPU: the core's loop launches step N + 1 before it reads step N, so between two
+    steps (when it reads the front end's messages) a running request always has a step in flight. Its streams equal
+    the offline engine's; an abort then ends the request as aborted, and the Stats that answer it show every block
+    free; the token its step in flight computed is read later and thrown away."""
+    offline = load_engine(step).LLM(TINY, **OPTIONS)
+    engine = step_module(step, "async_llm").AsyncLLM(TINY, async_scheduling=True, **OPTIONS)
+    try:
+        for params in (SamplingParams(temperature=0, max_tokens=16, logprobs=2),
+                       SamplingParams(temperature=0.8, seed=7, max_tokens=12)):
+            want = [o.outputs[0] for o in offline.generate(PROMPTS, params)]
+
+            async def run():
+                return await asyncio.gather(*(_collect(engine, p, params) for p in PROMPTS))
+
+            got = [outs[-1].outputs[0] for outs in asyncio.run(run())]
+            assert [(g.text, g.token_ids, g.finish_reason) for g in got] == \
+                   [(w.text, w.token_ids, w.finish_reason) for w in want]
+
+        async def abort_in_flight():
+            gen = engine.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                                  request_id="in flight")
+            for _ in range(3):
+                assert not (await gen.__anext__()).finished
+            busy = await engine.get_stats()
+            assert await engine.abort("in flight") is True
+            freed = engine.snapshot()  # the Stats that answered the abort
+            return busy, freed, [out async for out in gen][-1]
+
+        busy, freed, last = asyncio.run(abort_in_flight())
+        assert busy["in_flight"] == 1 and busy["running"] == 1 and busy["free_blocks"] < busy["num_blocks"], busy
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+        assert (freed["free_blocks"], freed["running"], freed["requests"]) == (freed["num_blocks"], 0, 0), freed
+        deadline = time.monotonic() + 10
+        while (state := asyncio.run(engine.get_stats()))["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert state["engine"]["discarded_tokens"] > busy["engine"]["discarded_tokens"], state["engine"]
+        assert (state["in_flight"], state["free_blocks"]) == (0, state["num_blocks"]), state
+    finally:
+        engine.shutdown()
+
+
+# ---- the wire ------------------------------------------------------------------------------------------------------
+KEPT_BY_THE_FRONT_END = {"stop"}  # the SamplingParams fields that never cross the wire (stop strings need the text)
+NOT_DEFAULT = dict(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, max_tokens=33, stop=["###"],
+                   stop_token_ids=[7, 11], ignore_eos=True, seed=1234, logprobs=3)
+
+
+@pytest.mark.parametrize("step", copies_params(STEPS, "wire"))
+def test_every_sampling_field_crosses_the_wire(step):
+    """An Add with every SamplingParams field set away from its default, encoded and decoded as the core decodes
+    it: each field the core reads comes back equal. A field dropped from wire.Params comes back as its default."""
+    import dataclasses
+
+    import msgspec
+
+    wire = step_module(step, "wire")
+    fields = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    assert set(NOT_DEFAULT) == set(fields), "a SamplingParams field this test does not set: add it here"
+    assert all(NOT_DEFAULT[name] != default for name, default in fields.items())
+    sp = SamplingParams(**NOT_DEFAULT)
+    frame = msgspec.msgpack.Encoder().encode(wire.Add("0", [1, 2, 3], wire.Params.of(sp)))
+    msg = msgspec.msgpack.Decoder(wire.ToCore).decode(frame)
+    assert isinstance(msg, wire.Add) and (msg.request_id, msg.prompt_ids) == ("0", [1, 2, 3])
+    back = msg.params.sampling_params()
+    for name in fields:
+        if name in KEPT_BY_THE_FRONT_END:
+            assert getattr(back, name) == [], name
+        else:
+            assert getattr(back, name) == getattr(sp, name), name
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_the_front_end_imports_no_torch(step):
+    """A fresh process imports the front end's modules (the server, AsyncLLM, the wire, the benchmark client),
+    starts a core and serves a request through it: torch is never imported in it (the core has it)."""
+    code = f"""
+import asyncio, sys
+import steps.{step}.serve, steps.{step}.bench_serve
+from steps.{step}.async_llm import AsyncLLM
+from shared import SamplingParams
+assert "torch" not in sys.modules, "importing the front end imported torch"
+engine = AsyncLLM({TINY!r}, device="cpu", dtype="float32", max_kv_tokens=1024)
+
+async def run():
+    return [out async for out in engine.generate("Hello", SamplingParams(temperature=0, max_tokens=3))]
+
+try:
+    assert len(asyncio.run(run())[-1].outputs[0].token_ids) == 3
+    engine.tokenizer.apply_chat_template([{{"role": "user", "content": "hi"}}])
+finally:
+    engine.shutdown()
+assert "torch" not in sys.modules, "serving a request imported torch in the front end"
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("step", copies_params(STEPS, "wire", "model"))
+def test_the_wires_kv_cache_dtypes_are_the_models(step):
+    """serve.py offers wire.KV_CACHE_DTYPES (it imports no model): the values the core's model takes."""
+    assert step_module(step, "wire").KV_CACHE_DTYPES == step_module(step, "model").KV_CACHE_DTYPES
+
+
+def test_a_core_that_speaks_another_protocol_is_refused():
+    """The core states its wire protocol version in Ready; a front end of another version refuses it at start,
+    naming both versions, and stops it."""
+    import multiprocessing
+
+    mod, wire = step_module(CORE, "async_llm"), step_module(CORE, "wire")
+    theirs = wire.PROTOCOL_VERSION + 1000  # speak_another_protocol's
+    before = set(multiprocessing.active_children())
+    with pytest.raises(mod.EngineStartError, match=f"protocol version {theirs}, this front end version "
+                                                   f"{wire.PROTOCOL_VERSION}"):
+        mod.AsyncLLM(TINY, _core_setup=speak_another_protocol, **OPTIONS)
+    assert not set(multiprocessing.active_children()) - before, "the refused core still runs"

@@ -194,7 +194,7 @@ def test_a_request_id_reused_before_the_stop_strings_abort_is_sent_runs_normally
     """The front end finds a stop string and aborts the request in the core. The Abort is held back (an injected
     delay in the reader thread) until a new request with the same id has been sent: the new request must run to
     its normal end, and the first one end at its stop string."""
-    wire = step_module(step, "engine_core")
+    wire = step_module(step, "wire")
     offline = load_engine(step).LLM(TINY, **OPTIONS)
     plain = SamplingParams(temperature=0, max_tokens=24)
     text = offline.generate([PROMPTS[0]], plain)[0].outputs[0].text

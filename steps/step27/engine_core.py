@@ -10,16 +10,14 @@ the front end's ZMQ socket, decodes each message (msgpack, msgspec) and puts it 
 steps; the output thread takes what the loop puts in its queue, encodes it and sends it. (Encoding and decoding in
 msgspec release no GIL, but they run while the loop waits for the device, and off its code path.)
 
-The wire: typed messages (msgspec Structs, tagged), never a pickle of an arbitrary object.
-    front end -> core   Add (a checked request: prompt ids and sampling parameters), Abort, GetStats
-    core -> front end   Ready (the core's limits, once it is built), Outputs (a step's Deltas), Stats, Error
-An output is a delta: the token ids (and logprobs) a request got in this step, not a copy of all it has, so a
-message's size does not grow with the output's length. The core checks EOS, stop token ids and max_tokens (no
-text needed); stop strings are the front end's, which decodes the text and aborts the request when one appears.
-The core runs the offline engine with its stop strings removed (_CoreLLM: no text is decoded in this process).
-step27: one step can give a request several tokens (a speculative run), and a stop string can end it before the
-last of them; so a delta carries the cumulative logprob after each of its tokens, and the front end returns the
-one after the last token it keeps.
+The messages it reads and sends are wire.py's (typed msgspec Structs, never a pickle): Add, Abort and GetStats
+in; Ready once it is built (wire.py's PROTOCOL_VERSION and the limits the front end checks a request against),
+Outputs (each step's deltas: a request's new tokens only), Stats and Error out. The core checks EOS, stop token ids
+and max_tokens (no text needed); stop strings are the front end's, which decodes the text and aborts the request
+when one appears. The core runs the offline engine with its stop strings removed (_CoreLLM: no text is decoded in
+this process).
+step27: a delta carries the cumulative logprob after each of its tokens (wire.py says why); _CoreLLM keeps them
+until a delta takes them.
 
 A message that fails to decode is an Error named in the core's log (stderr), and the core serves on. An ordinary
 error in a step fails the requests of that step, and the core serves on. The core dies when it can no longer serve:
@@ -43,88 +41,11 @@ import msgspec
 import torch
 import zmq
 
-from shared import SamplingParams
+from shared.threads import threads_cpu_s
 
 from .engine import LLM
 from .sequence import Finish
-
-
-# ---- the messages ---------------------------------------------------------------------------------------------
-class Params(msgspec.Struct, array_like=True):
-    """SamplingParams on the wire (stop strings stay in the front end)."""
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    max_tokens: int
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    seed: int | None
-    logprobs: int | None
-
-    @classmethod
-    def of(cls, sp: SamplingParams) -> "Params":
-        return cls(sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.max_tokens, list(sp.stop_token_ids or []),
-                   sp.ignore_eos, sp.seed, sp.logprobs)
-
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                              max_tokens=self.max_tokens, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos, seed=self.seed, logprobs=self.logprobs)
-
-
-class Add(msgspec.Struct, tag="add", array_like=True):
-    request_id: str  # the front end's name for it in the core, never reused (not the caller's request id)
-    prompt_ids: list[int]
-    params: Params
-
-
-class Abort(msgspec.Struct, tag="abort", array_like=True):
-    request_ids: list[str]
-    reply: int = 0  # not 0: the core answers with Stats(reply=...) once the blocks are free
-
-
-class GetStats(msgspec.Struct, tag="get_stats", array_like=True):
-    reply: int
-
-
-class Delta(msgspec.Struct, array_like=True):
-    """What one request got in one step: its new tokens only, and where they start in its output (so the front end
-    takes only what it lacks, and a gap would show)."""
-    request_id: str
-    start: int  # the output index of token_ids[0]
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per new token (top-N and the chosen one)
-    cumulative_logprobs: list[float]  # step27: one per new token, the request's cumulative logprob after it
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
-    stop_reason: int | None = None  # the stop token id that ended it
-    error: str | None = None  # the step that served it failed: the request was dropped
-
-
-class Outputs(msgspec.Struct, tag="outputs", array_like=True):
-    deltas: list[Delta]
-
-
-class Stats(msgspec.Struct, tag="stats", array_like=True):
-    reply: int
-    state: dict[str, int | float | dict[str, float]]  # counters, and the time by phase (phase_s)
-
-
-class Error(msgspec.Struct, tag="error", array_like=True):
-    message: str
-    fatal: bool = False  # the core's loop died, or never started: nothing is served any more
-    kind: str = "RuntimeError"  # the exception's type: "ValueError" for a bad model or option (the caller's input)
-
-
-class Ready(msgspec.Struct, tag="ready", array_like=True):
-    vocab_size: int
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-
-
-ToCore = Add | Abort | GetStats
-FromCore = Outputs | Stats | Error | Ready
+from .wire import PROTOCOL_VERSION, Abort, Add, Delta, Error, GetStats, Outputs, Ready, Stats, ToCore
 
 
 # ---- the core -------------------------------------------------------------------------------------------------
@@ -192,12 +113,16 @@ class EngineCore:
         self.stats = {"steps": 0, "failed_steps": 0, "aborted": 0, "bad_messages": 0}
 
     def state(self) -> dict:
+        """What a Stats message carries: the queues, the KV pool, the requests in a step launched and not read yet
+        (in_flight: async_scheduling), this process's CPU seconds (by thread too), its torch host threads, the time
+        by phase, the engine's own counters (engine: LLM.stats), and the core's counters."""
         llm = self.llm
         return {"running": len(llm.scheduler.running), "waiting": len(llm.scheduler.waiting),
                 "free_blocks": llm.block_manager.num_free_blocks, "num_blocks": llm.block_manager.num_blocks,
                 "requests": len(self.sent), "core_cpu_s": time.process_time(), "core_pid": os.getpid(),
+                "in_flight": len(llm.in_flight.seqs) if llm.in_flight is not None else 0,
                 "phase_s": dict(llm.timers.seconds), "threads_cpu_s": threads_cpu_s(),
-                "torch_threads": torch.get_num_threads(), **self.stats}
+                "torch_threads": torch.get_num_threads(), "engine": dict(llm.stats), **self.stats}
 
     def run_busy_loop(self) -> None:
         """Pull, step, push, until the process ends. Raises CoreFatalError when the core cannot serve on."""
@@ -274,27 +199,6 @@ class EngineCore:
                 self.outputs.put(Stats(msg.reply, self.state()))
         elif isinstance(msg, GetStats):
             self.outputs.put(Stats(msg.reply, self.state()))
-
-
-def threads_cpu_s() -> dict[str, float]:
-    """This process's CPU seconds by thread (Linux: /proc/self/task): a Python thread by its name, the others (torch's
-    and OpenMP's pools, ZMQ's, CUDA's) by the kernel's name for them, those of one name added up. {} elsewhere."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick, seconds = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, {}
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return {}
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:  # the thread ended meanwhile
-            continue
-        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        name = names.get(int(tid), comm)
-        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    return seconds
 
 
 def host_threads_for(device: torch.device) -> int | None:
@@ -395,7 +299,8 @@ def run_engine_core(model: str, engine_options: dict, input_addr: str, output_ad
         return
     core = EngineCore(llm)
     bm = llm.block_manager
-    out.send(encoder.encode(Ready(llm.model.config.vocab_size, llm.max_model_len, bm.num_blocks, bm.block_size)))
+    out.send(encoder.encode(Ready(PROTOCOL_VERSION, llm.model.config.vocab_size, llm.max_model_len, bm.num_blocks,
+                                  bm.block_size)))
     threading.Thread(target=_input_thread, args=(inp, core), name="core input", daemon=True).start()
     writer = threading.Thread(target=_output_thread, args=(out, core), name="core output", daemon=True)
     writer.start()

@@ -1,7 +1,8 @@
 """step24: an OpenAI-compatible HTTP server on top of step23's streaming engine (AsyncLLM).
 
 step26: the same server, whose AsyncLLM runs the engine in a core process of its own (engine_core.py): this process
-keeps HTTP, JSON, the tokenizer and the detokenizer; the core keeps the scheduler and the model. A core that dies
+keeps HTTP, JSON, the tokenizer and the detokenizer, and imports neither torch nor the engine (what it reports of
+the core, /stats, comes over the wire); the core keeps the scheduler and the model. A core that dies
 (killed, or its loop failed) ends every open stream with an error event, answers a request it was serving with 500,
 and every later request, /health included, with 503. A core that fails to start ends the server with its error on
 one line. SIGINT or SIGTERM stops the server and the core, exit status 0.
@@ -59,9 +60,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from shared import ContextLengthExceededError, SamplingParams, check_messages
 
+from shared.threads import threads_cpu_s
+
 from .async_llm import AsyncLLM, EngineDeadError, EngineShutDown, EngineStartError, EngineStepError
-from .engine_core import threads_cpu_s
-from .model import KV_CACHE_DTYPES
+from .wire import KV_CACHE_DTYPES
 
 # OpenAI fields this server reads (each checked) or knows to be harmless (user: an end-user id, for their logs).
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -153,7 +155,8 @@ class Server:
                                             "owned_by": "llm-steps", "max_model_len": self.engine.llm.max_model_len}]}
 
     async def stats(self) -> dict:
-        # step26: the core's state, which it sends between two of its steps when asked, and this process's counters
+        # step26: the core's state (wire.py's Stats, which it sends between two of its steps when asked: its
+        # counters, CPU seconds, torch threads, and the engine's counters under "engine"), and this process's own
         core = await self.engine.get_stats()
         return {**self.engine.snapshot(), **core, "process_cpu_s": time.process_time(),  # this process's CPU time
                 "front_end_threads_cpu_s": threads_cpu_s()}  # ... by thread: the event loop, the core's reader
