@@ -356,30 +356,25 @@ MUTATIONS = [
         "                    if False:\n",
         ("tests/test_part9_core.py::test_sigkill_of_the_core_ends_open_streams",)),
     Mutation(
-        "step27-no-rollback", "step27 keeps the KV of rejected drafts: counted as computed, their blocks kept",
-        "steps/step27/engine.py",
-        "            seq.num_computed_tokens += len(tokens)  # the newest token and the accepted drafts (len(tokens) - 1)",
-        "            seq.num_computed_tokens += len(ds) + 1",
+        "step27-no-rollback", "step27 keeps the blocks of rejected drafts (no trim after a verify)",
+        "steps/step27/scheduler.py",
+        "            if seq.finish is None:\n                self.block_manager.trim(seq, seq.num_tokens)\n",
+        "            if False:\n                self.block_manager.trim(seq, seq.num_tokens)\n",
         ("tests/test_part9_spec.py::test_kv_blocks_balance_after_every_step_of_rejections_preemption_and_abort",)),
     Mutation(
-        "step27-accept-on-mismatch", "step27's verdict accepts a draft that differs from the target's token",
-        "steps/step27/speculative.py",
-        "    accept = target == draft_t  # a last row's -1 never equals a token\n",
-        "    accept = draft_t >= 0\n",
-        ("tests/test_part9_spec.py::test_greedy_outputs_equal_step26_with_drafts_accepted",)),
-    Mutation(
-        "step27-sampler-always-accepts", "step27's sampled verdict accepts every draft (no draw from p to compare)",
-        "steps/step27/speculative.py",
-        "        target = target.index_put((index,), draw(p, u))\n",
-        "        target = target.index_put((index,), torch.where(draft_t[index] >= 0, draft_t[index], draw(p, u)))\n",
-        ("tests/test_part9_spec.py::test_verify_keeps_the_target_distribution",
+        "step27-accept-on-mismatch", "step27's verdict accepts every draft, whether or not it equals its place's token",
+        "steps/step27/model_runner.py",
+        "            while row < end and tokens[row] == ds[row - (end - len(ds))]:\n",
+        "            while row < end:\n",
+        ("tests/test_part9_spec.py::test_greedy_outputs_equal_step26_with_drafts_accepted",
+         "tests/test_part9_spec.py::test_verify_keeps_the_target_distribution",
          "tests/test_part9_spec.py::test_sampled_outputs_follow_step26s_distribution")),
     Mutation(
-        "step27-draw-salted", "step27's sampled verdict draws with a key of its own, not the plain step's for that "
-        "place (the tokens still follow p, but a seed's tokens depend on whether the request drafted)",
-        "steps/step27/speculative.py",
-        "        u = _to_device(uniforms([seeds_of[r] for r in sampled], [pos_of[r] for r in sampled]), device)  # [S]\n",
-        "        u = _to_device(uniforms([seeds_of[r] ^ 0x5EC0 for r in sampled], [pos_of[r] for r in sampled]), device)\n",
+        "step27-draw-salted", "step27's verdict draws with a key of its own, not the plain step's for that place (the "
+        "tokens still follow p, but a seed's tokens depend on whether the request drafted)",
+        "steps/step27/model_runner.py",
+        "                seeds.append(seq.seed)\n",
+        "                seeds.append(seq.seed ^ 0x5EC0)\n",
         ("tests/test_part9_spec.py::test_a_seeded_sampled_request_gets_step26s_tokens_alone_in_a_batch_and_under_"
          "budget_pressure",)),
     # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs

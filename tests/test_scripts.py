@@ -142,7 +142,8 @@ def test_the_import_check_sees_names_loaded_at_run_time(tmp_path):
 LAYERS = [
     {"kernels.*"},  # the Triton kernels (steps 15 on)
     {"sequence", "detokenizer", "scheduler", "block_manager", "sampler", "timers", "cuda_graphs", "parallel",
-     "speculative"},  # step27: the proposer and the verdict on its drafts
+     "speculative",  # step27: the config and the proposer of drafts
+     "wire"},  # step26: the messages between the front end and the engine core
     {"model"},
     {"model_runner", "attention"},  # the runner and the attention backends that build its metadata
     {"worker"},  # a rank's build and the tensor-parallel worker processes (step22 on)

@@ -84,7 +84,7 @@ from .parallel import TensorParallel, WorkerError, check_tensor_parallel_size, r
 from .sampler import request_seed
 from .scheduler import Scheduler
 from .sequence import Finish, Sequence, SequenceStatus
-from .speculative import NgramProposer, SpeculativeConfig, accepted_runs, verify
+from .speculative import NgramProposer, SpeculativeConfig
 from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
 
 # step27: verify steps of up to this many requests replay a graph (fewer if disable_by_batch_size says so); a
@@ -445,7 +445,7 @@ class LLM:
                 if not drafts:
                     continue
                 bm.allocate(seq, seq.num_tokens + len(drafts))
-                seq.token_ids.extend(drafts)  # taken out again by _verify
+                seq.add_drafts(drafts)  # taken out again by _verify
                 spec[i] = drafts
                 budget -= len(drafts)
                 self.stats["spec_proposed"] += len(drafts)
@@ -455,58 +455,31 @@ class LLM:
 
     def _verify(self, spec: dict[int, list[int]], scheduled: list[Sequence], logits: torch.Tensor,
                 first_row: list[int]) -> None:
-        """The target's verdict on the drafts (speculative.verify, on the device; one wait to read it), then per
-        request: the drafts leave token_ids, the accepted ones and the target's token are recorded one by one
-        through the stop checks (a stop inside the run ends it there), the newest token and the accepted drafts
-        count as computed, and the blocks past the request's tokens go back to the pool."""
+        """The target's verdict on the drafts (the model runner's verify: each place drawn as a plain step draws it,
+        one wait), then per request: the drafts leave its tokens, the tokens the verdict emits are recorded one by
+        one through the stop checks (a stop inside the run ends it there), and the scheduler counts what has K/V
+        and gives back the blocks of the rejected drafts (postprocess_verified)."""
         index = sorted(spec)
         seqs, drafts = [scheduled[i] for i in index], [spec[i] for i in index]
-        with self.timers.phase("sample"):
-            flat = [first_row[i] + j for i in index for j in range(len(spec[i]) + 1)]
-            rows = logits[to_device(torch.tensor(flat), logits.device)] if len(flat) < len(logits) else logits
-            positions = [len(seq.output_ids) for seq in seqs]  # the output index of each request's first draft
-            accept, target, target_lp, log_probs = verify(rows, seqs, drafts, positions)
-            asked: dict[int, list[int]] = {}  # logprobs=n: the top n of every row of those requests
-            row = 0
-            for seq, ds in zip(seqs, drafts):
-                if seq.params.logprobs is not None:
-                    asked.setdefault(seq.params.logprobs, []).extend(range(row, row + len(ds) + 1))
-                row += len(ds) + 1
-            tops = []
-            for n, rs in asked.items():
-                picked = log_probs[to_device(torch.tensor(rs), log_probs.device)]
-                values, ids = picked.topk(n, dim=-1) if n > 0 else (picked[:, :0], picked[:, :0].long())
-                tops += [values, ids]
-            accept, target, target_lp, *top_lists = self.runner.read_back(
-                self.runner.start_read_back(accept, target, target_lp, *tops))
-            top_of: dict[int, dict] = {}
-            for k, rs in enumerate(asked.values()):
-                for r, values, ids in zip(rs, top_lists[2 * k], top_lists[2 * k + 1]):
-                    top_of[r] = dict(zip(ids, values))
-        runs = accepted_runs(accept, target, target_lp, drafts)
-        for seq, ds, (tokens, _, _) in zip(seqs, drafts, runs):
-            del seq.token_ids[len(seq.token_ids) - len(ds):]  # the drafts leave; the accepted ones come back below
-            seq.num_computed_tokens += len(tokens)  # the newest token and the accepted drafts (len(tokens) - 1)
+        places = [first_row[i] + j for i in index for j in range(len(spec[i]) + 1)]  # their rows of logits
+        verdicts = self.runner.verify(logits, places, seqs, drafts)
+        for seq, ds, verdict in zip(seqs, drafts, verdicts):
+            seq.drop_drafts(len(ds))  # the accepted ones come back below, recorded as tokens
             self.stats["spec_verified"] += 1
-            self.stats["spec_accepted"] += len(tokens) - 1
+            self.stats["spec_accepted"] += len(verdict.tokens) - 1
         recorded = [0] * len(seqs)
-        for j in range(max(len(t) for t, _, _ in runs)):  # the j-th token of every run, through the stop checks
-            live = [i for i, (seq, run) in enumerate(zip(seqs, runs)) if len(run[0]) > j and seq.finish is None]
+        for j in range(max(len(v.tokens) for v in verdicts)):  # the j-th token of every run, through the stop checks
+            live = [i for i, (seq, v) in enumerate(zip(seqs, verdicts)) if len(v.tokens) > j and seq.finish is None]
             if not live:
                 break
-            self._record_tokens([seqs[i] for i in live], [runs[i][0][j] for i in live], [runs[i][1][j] for i in live],
-                                [dict(top_of[runs[i][2][j]]) if runs[i][2][j] in top_of else None for i in live])
+            self._record_tokens([seqs[i] for i in live], [verdicts[i].tokens[j] for i in live],
+                                [verdicts[i].logprobs[j] for i in live], [verdicts[i].tops[j] for i in live])
             for i in live:
                 recorded[i] += 1
-        self.stats["spec_cut"] += sum(n < len(run[0]) for n, run in zip(recorded, runs))  # a stop inside a run
+        self.stats["spec_cut"] += sum(n < len(v.tokens) for n, v in zip(recorded, verdicts))  # a stop inside a run
         self.stats["spec_emitted"] += sum(recorded)  # the tokens returned: none past a stop
         with self.timers.phase("schedule"):
-            for seq in seqs:
-                # a run cut by a stop leaves every token it kept computed (each is an accepted draft)
-                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
-                self.block_manager.cache_full_blocks(seq)  # the drafts are gone: accepted tokens only; a request
-                if seq.finish is None:  # that finished here registers them too, before its blocks are released
-                    self.block_manager.trim(seq, seq.num_tokens)  # the blocks taken for rejected drafts
+            self.scheduler.postprocess_verified([(seq, len(v.tokens)) for seq, v in zip(seqs, verdicts)])
 
     def chat(self, conversations, sampling_params=None) -> list[RequestOutput]:
         prompts = [self.tokenizer.apply_chat_template(c) for c in check_conversations(conversations)]

@@ -39,6 +39,7 @@ that event and makes the lists. sample() is both at once, as before.
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -65,6 +66,14 @@ def kv_pool_blocks(total_bytes: int, gpu_memory_utilization: float, used_bytes: 
     """The KV cache's size in blocks: the share of the device we may use, minus what the weights and the peak of
     a warm-up forward took, in whole blocks (vLLM's gpu_memory_utilization, same meaning)."""
     return max(int(total_bytes * gpu_memory_utilization) - used_bytes, 0) // bytes_per_block
+
+
+class Verdict(NamedTuple):
+    """step27: what one request's verify emits, in order: its accepted drafts, then one token of the target's."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    tops: list[dict[int, float] | None]  # its top-n logprobs per token (None: it asked for none)
 
 
 class BlockTables:
@@ -172,7 +181,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
         self.verify_graphs: VerifyGraphs | None = None  # step27: set by capture_graphs when speculation is on
         # step27: (tokens per row: k + 1, the largest batch that drafts) of the verify graphs; None: no speculation
-        self.verify = None if verify is None else (verify[0], min(verify[1], max_num_seqs))
+        self.verify_shape = None if verify is None else (verify[0], min(verify[1], max_num_seqs))
         self.scratch_block: int | None = None  # the cache block no sequence owns (padding rows write there)
         # the draw as one kernel (kernels/sampling.py) where the kernels run: CUDA, the triton backend's layer ops
         self.fused_sampler = (triton is not None and device.type == "cuda"
@@ -241,7 +250,7 @@ class ModelRunner:
 
     def capture_graphs(self, block_size: int) -> dict:
         """Record the decode forward once per bucket (cuda_graphs.py), on the allocated cache. step27: with
-        speculation (self.verify), the verify forward's graphs too, in the same pool. -> what was done."""
+        speculation (self.verify_shape), the verify forward's graphs too, in the same pool. -> what was done."""
         import time
 
         start = time.perf_counter()
@@ -249,8 +258,8 @@ class ModelRunner:
                                    self.max_table_blocks(block_size), self.model.config.max_position_embeddings)
         self.graphs.capture()
         done = {"sizes": self.graphs.sizes, "pool_bytes": self.graphs.pool_bytes}
-        if self.verify is not None:
-            query_len, max_seqs = self.verify
+        if self.verify_shape is not None:
+            query_len, max_seqs = self.verify_shape
             self.verify_graphs = VerifyGraphs(self.model, self.device, max_seqs, query_len,
                                               block_size, self.scratch_block, self.max_table_blocks(block_size),
                                               pool=self.graphs.pool)
@@ -268,8 +277,8 @@ class ModelRunner:
                              self.model.config.max_position_embeddings, sizes=[self.max_num_seqs])
         probe.capture()
         pool = probe.pool_bytes
-        if self.verify is not None:  # step27: the verify graphs' largest, in the same pool
-            query_len, max_seqs = self.verify
+        if self.verify_shape is not None:  # step27: the verify graphs' largest, in the same pool
+            query_len, max_seqs = self.verify_shape
             verify = VerifyGraphs(self.model, self.device, max_seqs, query_len, block_size, 0,
                                   -(-query_len // block_size), pool=probe.pool)
             verify.sizes = verify.sizes[-1:]
@@ -420,21 +429,30 @@ class ModelRunner:
         """step25: sample's first half: the sampling queued on the device and the copies of its results to the host
         queued behind it, with no wait. keep_on_device: also write each sampled token into last_token at its
         sequence's block-table row, for the next step's placeholders. -> what read_sampled reads."""
+        positions = [len(s.output_ids) + s.num_output_placeholders for s in seqs]  # step25: those in flight too
+        return self.launch_draw(logits, [s.params for s in seqs], [s.seed for s in seqs], positions,
+                                last_token_rows=[self.block_tables.row_of[s.request_id] for s in seqs]
+                                if keep_on_device else None)
+
+    def launch_draw(self, logits: torch.Tensor, params: list, seeds: list[int], positions: list[int],
+                    last_token_rows: list[int] | None = None) -> SimpleNamespace:
+        """step27: one draw per row of logits [R, vocab], each keyed by its (seed, position), queued with its copies
+        to the host: a plain step's rows (one per request) and a verify step's (one per place of a request's drafts)
+        go through this same draw, so a place gets the same token in either. last_token_rows: the block-table rows
+        whose last_token the drawn tokens become (None: not kept on the device)."""
         with self.timers.phase("sample"):
-            params = [s.params for s in seqs]
-            positions = [len(s.output_ids) + s.num_output_placeholders for s in seqs]  # step25: those in flight too
             token_logprobs = None
             sampled = any(not sp.greedy for sp in params)  # greedy only: one argmax, below
             if self.fused_sampler and sampled and not wants_filters(params, logits.shape[-1]):
                 self.draws["fused"] += 1
-                keys = draw_params([sp.temperature for sp in params], [s.seed for s in seqs], positions)
-                next_ids, chosen = fused_draw(logits, to_device(keys, logits.device))  # [B], [B], on the device
+                keys = draw_params([sp.temperature for sp in params], seeds, positions)
+                next_ids, chosen = fused_draw(logits, to_device(keys, logits.device))  # [R], [R], on the device
             else:
                 self.draws["torch"] += 1
-                token_logprobs = torch.log_softmax(logits, dim=-1)  # [B, vocab]
-                next_ids = sample_batch(logits, params, [s.seed for s in seqs], positions)  # [B], on the device
-                chosen = token_logprobs.gather(1, next_ids[:, None])[:, 0]  # [B]
-            # Requests that asked for logprobs=n: the n most likely of their rows, one topk per distinct n.
+                token_logprobs = torch.log_softmax(logits, dim=-1)  # [R, vocab]
+                next_ids = sample_batch(logits, params, seeds, positions)  # [R], on the device
+                chosen = token_logprobs.gather(1, next_ids[:, None])[:, 0]  # [R]
+            # Rows that asked for logprobs=n: the n most likely of their rows, one topk per distinct n.
             asked: dict[int, list[int]] = {}
             for i, sp in enumerate(params):
                 if sp.logprobs is not None:
@@ -445,12 +463,42 @@ class ModelRunner:
                 picked = token_logprobs[index] if token_logprobs is not None else torch.log_softmax(logits[index], -1)
                 values, ids = picked.topk(n, dim=-1) if n > 0 else (picked[:, :0], picked[:, :0].long())
                 tops += [values, ids]
-            if keep_on_device:  # the next step's inputs read them from here, on the device
-                rows = [self.block_tables.row_of[s.request_id] for s in seqs]
-                self.last_token.index_copy_(0, to_device(torch.tensor(rows), logits.device), next_ids)
+            if last_token_rows is not None:  # the next step's inputs read them from here, on the device
+                self.last_token.index_copy_(0, to_device(torch.tensor(last_token_rows), logits.device), next_ids)
                 if self.share_tokens:  # the workers' copies (they wait for it: execute told them it comes)
                     self.model.tp.broadcast_tokens(self.last_token)
-            return SimpleNamespace(copies=self.start_read_back(next_ids, chosen, *tops), asked=asked, num=len(seqs))
+            return SimpleNamespace(copies=self.start_read_back(next_ids, chosen, *tops), asked=asked,
+                                   num=len(params))
+
+    def verify(self, logits: torch.Tensor, places: list[int], seqs: list[Sequence],
+               drafts: list[list[int]]) -> list[Verdict]:
+        """step27: the target's verdict on every request's drafts. places: the rows of logits [rows, vocab] that are
+        the requests' k_i + 1 places, request by request (the place before draft j predicts draft j; the last one
+        predicts the token after the last draft).
+        Every row is drawn as a plain step draws at that place (launch_draw: the argmax, or the draw keyed by the
+        request's seed and the token's position), read back with one wait; per request the drafts pass while they
+        equal their row's token, and the first row whose token differs, or the last row, adds its own token.
+        -> one Verdict per request: the tokens to emit, their logprobs (raw log-softmax, as a plain step reports
+        them) and their top-n logprobs."""
+        params, seeds, positions = [], [], []
+        for seq, ds in zip(seqs, drafts):
+            first = len(seq.output_ids)  # the output index of its first draft
+            for j in range(len(ds) + 1):
+                params.append(seq.params)
+                seeds.append(seq.seed)
+                positions.append(first + j)
+        if len(places) < len(logits):  # the index goes to the device without a wait (pinned)
+            logits = logits[to_device(torch.tensor(places), logits.device)]  # [T, vocab]
+        tokens, logprobs, tops = self.read_sampled(self.launch_draw(logits, params, seeds, positions))
+        verdicts, row = [], 0
+        for ds in drafts:
+            end = row + len(ds)  # the last row: the bonus token's
+            while row < end and tokens[row] == ds[row - (end - len(ds))]:
+                row += 1
+            emitted = slice(end - len(ds), row + 1)  # the accepted drafts (their own rows' tokens) and one more
+            verdicts.append(Verdict(tokens[emitted], logprobs[emitted], tops[emitted]))
+            row = end + 1
+        return verdicts
 
     def read_sampled(self, launched: SimpleNamespace) -> tuple[list[int], list[float], list]:
         """step25: sample's second half: wait for launch_sample's copies, -> sample's lists."""

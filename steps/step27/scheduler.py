@@ -71,6 +71,17 @@ class Scheduler:
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
 
+    def postprocess_verified(self, verified: list[tuple]) -> None:
+        """step27: after a verify step, [(request, tokens its verdict emitted)]: its newest token and its accepted
+        drafts now have K/V (a run a stop cut short keeps every token it kept: each was an accepted draft), its newly
+        full blocks can be shared (a request that finished here too, before its blocks are released), and the
+        blocks taken for its rejected drafts go back to the pool."""
+        for seq, n in verified:
+            seq.num_computed_tokens = min(seq.num_computed_tokens + n, seq.num_tokens)
+            self.block_manager.cache_full_blocks(seq)
+            if seq.finish is None:
+                self.block_manager.trim(seq, seq.num_tokens)
+
     def _make_room(self, request) -> bool:
         """Give request room for its newest token (block_manager.append), preempting the newest requests if no
         block is free. False if request itself had to be preempted."""

@@ -74,6 +74,14 @@ class Sequence:
         self.output_ids.append(token_id)
         self.token_ids.append(token_id)
 
+    def add_drafts(self, drafts: list[int]) -> None:
+        """step27: a verify step's drafts join token_ids for that step only (their K/V is computed with it)."""
+        self.token_ids.extend(drafts)
+
+    def drop_drafts(self, num_drafts: int) -> None:
+        """step27: the verify step is read: its drafts leave token_ids (the accepted ones come back as tokens)."""
+        del self.token_ids[len(self.token_ids) - num_drafts:]
+
     @property
     def num_known_outputs(self) -> int:
         """step25: output tokens the host has read: all of output_ids (the tokens in flight are only counted)."""

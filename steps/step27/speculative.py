@@ -1,4 +1,4 @@
-"""step27: exact speculative decoding with n-gram drafts (prompt lookup).
+"""step27: speculative decoding with n-gram drafts (prompt lookup): its configuration and its proposer, on the host.
 
 A decode step computes one token per request, and at batch 1 on a GPU it reads every weight for that one token.
 Speculation guesses several tokens and checks them all in one forward: a request with k drafts is a chunk of k + 1
@@ -7,35 +7,27 @@ The forward gives the target model's distribution at each of those places, so th
 token more is known at the end: the first place where a guess is wrong gets the target's own token, and when every
 guess is right the last place gives a bonus token. A step then emits 1 to k + 1 tokens for one forward.
 
-Proposing (NgramProposer): the last n tokens of the request (prompt and output; n from prompt_lookup_max down to
-prompt_lookup_min) are looked up earlier in the same tokens; the tokens that followed their latest earlier
+Proposing (NgramProposer, here): the last n tokens of the request (prompt and output; n from prompt_lookup_max down
+to prompt_lookup_min) are looked up earlier in the same tokens; the tokens that followed their latest earlier
 occurrence with k tokens after it are the drafts (the earliest occurrence when none has k: in a loop the latest
 match sits right behind the end), up to k of them. It costs no model: text that repeats itself (code being edited, a
 passage being summarised, a list) is where it finds drafts. A request with no match decodes as usual in the step.
 
-Accepting, so that the outputs are exactly the target's (verify): at every place the target's own token is
-computed as a plain decode step would compute it there (greedy: the argmax; sampling: a draw from p, the
-distribution after temperature, min-p, top-k and top-p, with the random number a plain step uses for that place,
-keyed by the request's seed and the token's position: sampler.py's uniforms). A draft passes while it equals that
-token; at the first that does not, the target's token is emitted and the run ends; when every draft passes, the
-last place gives a bonus token. For a sampled request this is the rejection rule for a draft that is a point mass on
-x (Leviathan et al.; Chen et al.): x is accepted with probability p(x), and a rejection emits a token drawn from p
-without x, renormalised. Every emitted token is the one the plain step would have drawn, so a seeded request gets
-the same tokens with or without drafts, alone or in any batch, whatever decides how many drafts a step has.
-
-The KV of the rejected drafts: their slots were written by the forward. The engine counts as computed only the
-newest token and the accepted drafts, and gives back the blocks past the request's tokens (block_manager.trim), so
-the pool balances; the slots left in a kept block are overwritten later (nothing reads past a sequence's length).
-Prefix-cache hashes are made after the drafts are gone: they cover accepted tokens only.
+The rest lives where its kind of work lives. The verdict is device work, in the model runner (model_runner.py's
+verify): every place is drawn exactly as a plain decode step draws there (the argmax, or the draw keyed by the
+request's seed and the token's position), and a draft passes while it equals its place's token; for a sampled
+request that is the rejection rule for a draft that is a point mass on x (Leviathan et al.; Chen et al.): x passes
+with probability p(x), and a rejection emits a token that follows p without x, renormalised. So a seeded request
+gets the same tokens with or without drafts, alone or in any batch. The rollback is bookkeeping, in the scheduler
+(postprocess_verified): only the newest token and the accepted drafts count as computed, and the blocks past the
+request's tokens go back to the pool (block_manager.trim); the slots left in a kept block are overwritten later
+(nothing reads past a sequence's length), and prefix-cache hashes cover accepted tokens only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-
-from .sampler import _to_device, draw, processed_probs, uniforms
 
 # The engine's own disable_by_batch_size, when the config does not name one: from this many requests in the engine a
 # step drafts nothing. On the H200 (docs/data/bench_spec.py --batch-sweep, qwen3-0.6b, drafting in every step),
@@ -144,55 +136,3 @@ def match_ends(tokens: np.ndarray, n_min: int, n_max: int) -> np.ndarray | None:
         if j + 1 >= n_min:
             ends = longer
     return ends
-
-
-def verify(logits: torch.Tensor, seqs: list, drafts: list[list[int]], positions: list[int]):
-    """The target's verdict on every request's drafts, computed on the device.
-
-    logits: [T, vocab], each request's k_i + 1 rows in order (the row before draft j predicts draft j; the last row
-    predicts the token after the last draft). positions[i]: the output index of request i's first draft.
-    -> device tensors, one entry per row: target [T] (the token a plain step computes at that place: the argmax for
-    a greedy request, else a draw from p with that place's plain key), accept [T] bool (the row's draft equals its
-    target; False on a last row), target_logprob [T] (raw log-softmax, as a plain step reports it), and log_softmax
-    [T, vocab] for the top-n logprobs."""
-    device = logits.device
-    draft_of, params_of, seeds_of, pos_of, last_of = [], [], [], [], []
-    for seq, ds, pos in zip(seqs, drafts, positions):
-        for j in range(len(ds) + 1):
-            draft_of.append(ds[j] if j < len(ds) else -1)  # a last row has no draft: -1 equals no token
-            params_of.append(seq.params)
-            seeds_of.append(seq.seed)
-            pos_of.append(pos + j)
-            last_of.append(j == len(ds))
-    draft_t = _to_device(torch.tensor(draft_of), device)  # [T]
-    log_probs = torch.log_softmax(logits, dim=-1)  # [T, vocab]
-    target = torch.argmax(logits, dim=-1)  # [T]: the greedy rows' token
-    sampled = [r for r, sp in enumerate(params_of) if not sp.greedy]
-    if sampled:  # the sampled rows: each place's plain draw (sampler.sample_batch's, row by row)
-        index = _to_device(torch.tensor(sampled), device)
-        p = processed_probs(logits[index], [params_of[r] for r in sampled])  # [S, vocab]
-        u = _to_device(uniforms([seeds_of[r] for r in sampled], [pos_of[r] for r in sampled]), device)  # [S]
-        target = target.index_put((index,), draw(p, u))
-    accept = target == draft_t  # a last row's -1 never equals a token
-    target_logprob = log_probs.gather(1, target[:, None])[:, 0]
-    return accept, target, target_logprob, log_probs
-
-
-def accepted_runs(accept: list[bool], target: list[int], target_lp: list[float],
-                  drafts: list[list[int]]) -> list[tuple[list[int], list[float], list[int]]]:
-    """Host side of verify: per request -> (the tokens to emit: the targets of the accepted rows, which are their
-    drafts, then the target of the first rejected row or of the bonus row; their logprobs; the row each came
-    from)."""
-    out, row = [], 0
-    for ds in drafts:
-        tokens, lps, rows = [], [], []
-        for j in range(len(ds) + 1):
-            r = row + j
-            tokens.append(target[r])
-            lps.append(target_lp[r])
-            rows.append(r)
-            if not accept[r]:
-                break
-        out.append((tokens, lps, rows))
-        row += len(ds) + 1
-    return out
