@@ -3,52 +3,41 @@ scheduler which sequences run and with how many tokens, has the model runner run
 sample, then grows the sequences, finishes those that are done (their blocks freed) and returns the outputs.
 generate() and chat() are add_request plus step() until every request is done. engine.py only wires the parts:
 
-    sequence.py       one request's state (status, tokens, num_computed_tokens, block table)
+    sequence.py       one request's state (status, tokens, placeholders, num_computed_tokens, block table)
     scheduler.py      which sequences run in the next step, and how many tokens each
     block_manager.py  which cache blocks hold which tokens (paged KV, prefix caching)
-    model_runner.py   sequences -> tensors, the forward, the sampler; owns the model and the KV cache
+    model_runner.py   sequences -> tensors, the forward, the sampler, the read-back; owns the model and the KV cache
     attention.py      how attention runs, one object per backend: its metadata per step, its math per layer
     worker.py         one rank's build (its share of the model, the backend, the KV cache, the CUDA graphs) and
                       the tensor-parallel worker processes
     parallel.py       how the model is cut over N ranks, and the collectives that join them
 
-Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
-the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto" or "int8"), enforce_eager (False:
-decode steps replay CUDA graphs where they can; llm.cuda_graphs says whether they do and why not) and
-tensor_parallel_size (default 1: no worker, no collective).
+A step. The scheduler has no phases: every running request catches up on its tokens without K/V under one token
+budget, the least behind first (a decode is a request one token behind; a prompt is computed in chunks). All of a
+step's rows, decodes and chunks alike, go through one forward whose attention is one kernel launch per layer (or
+flash decoding, for a step of long decodes), with the layer's small operators fused; a step of decodes only replays
+a CUDA graph of its batch-size bucket. The sampler draws every sampling row at once, each keyed by its request's
+(seed, position), and the runner reads the tokens back with one wait for the device.
 
-Added by step, oldest first (each step's outputs equal the one before it, with the option that turns it off):
-- step18: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
-  (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs flash
-  decoding (kernels/decode.py). The scheduler has no phases: every running request catches up on its tokens
-  without KV under one token budget, the least behind first (a decode is a request one token behind).
-- step19: the layer's small operators run as three fused kernels (kernels/fused.py).
-- step20: kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
-  (model.py's quantize_kv and dequantize_kv; the kernels dequantise each tile they load): about 1.9x the tokens in
-  the same memory, for a small rounding error in every key and value. "auto" keeps the model's dtype.
-- step21: CUDA graphs. The decode forward is recorded once per batch-size bucket (1, 2, 4, 8, then every 8) and
-  replayed (cuda_graphs.py): one graph launch for the host instead of a kernel launch per operator. The batch is
-  padded to its bucket, its inputs copied into static buffers from pinned staging; padding rows write to a scratch
-  block. Steps with prompt chunks run eagerly. The host work around the forward is cut too: one wait for the GPU
-  per step, to read the sampled tokens (model_runner.py's read_back), and sequences compare by identity.
-- step22: tensor parallelism. This process is rank 0 (scheduler, block manager, sampler); N - 1 worker processes
-  (worker.py, started with the spawn method) hold their share of every layer and of the KV cache. Each step rank 0
-  broadcasts the step's inputs and every rank runs the same forward, joined by two all-reduces per layer (NCCL
-  between GPUs, gloo between CPU processes); the logits are gathered on rank 0, which samples. shutdown(), the
-  engine going away and this process exiting all stop the workers; a worker that dies is an error at the next step.
-- step23: what a streaming engine needs (async_llm.py's AsyncLLM runs this LLM in a thread of its own):
-  step(partial=True) also returns the requests that got a token and go on, their text held back by the longest stop
-  string's length minus one, so that a later stop string never takes back text already sent; add_request takes the
-  caller's request_id; abort_request returns what it dropped.
-- step25: overlap scheduling, async_scheduling=True (vLLM's name; None, the default: on with CUDA, off elsewhere).
-  One step schedules step N + 1 and launches its forward and its sampling before it reads step N's sampled tokens
-  (_step_async): the device runs step N + 1 while the host reads step N, finishes what step N finished, builds the
-  outputs, and schedules and prepares the next step. A token the host has not read is a placeholder of its sequence,
-  only counted (sequence.py's num_output_placeholders); the device keeps it (model_runner.py's last_token) and the
-  next step's inputs read it there (the engine names those inputs: execute's placeholders). Finish is known one
-  step late: a request that step N finishes was already scheduled into step N + 1, whose token for it is thrown away
-  (stats["discarded_tokens"]), never emitted. The CPU runs the same order on its one stream: nothing overlaps there,
-  but the outputs are checked. async_scheduling=False runs step24's order.
+The overlapped order (async_scheduling, vLLM's name; None: on with CUDA, off elsewhere). _step_async schedules step
+N + 1 and launches its forward and its sampling before it reads step N's tokens: the device runs step N + 1 while the
+host reads step N, finishes what it finished, builds the outputs, and schedules and prepares the next step. A token
+the host has not read is a placeholder of its sequence, only counted (num_output_placeholders); the device keeps it
+(the runner's last_token) and the next step's inputs read it there (execute's placeholders). Finish is known one step
+late: a request that step N finishes was already scheduled into step N + 1, whose token for it is thrown away
+(stats["discarded_tokens"]), never emitted. A launch or a read that fails drops its step's requests and leaves no
+step in flight. The CPU runs the same order on its one stream. async_scheduling=False runs each step's tokens
+read before the next is scheduled (_step).
+
+Streaming: step(partial=True) also returns the requests that got a token and go on, their text held back by the
+longest stop string's length minus one, so that a later stop string never takes back text already sent.
+
+Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
+the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto", or "int8": K and V as int8 with an
+fp32 scale per token and KV head), enforce_eager (False: decode steps replay CUDA graphs where they can;
+llm.cuda_graphs says whether they do and why not), tensor_parallel_size (default 1; N: this process is rank 0, with
+N - 1 worker processes, joined by two all-reduces per layer) and async_scheduling. How the engine grew, step by
+step, is in the step's README.
 """
 from __future__ import annotations
 
