@@ -157,6 +157,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype  # "auto" (the model's dtype) or "int8" (model.py's KVCache)
         self.timers = timers  # the engine's phase timers: "prepare inputs", "forward" and "sample" are ours
         self.stats = stats  # the engine's counters: we count model forwards
+        stats.setdefault("overlapped_launches", 0)  # step25: launches made before the newest results were reached
         self.kv_cache: KVCache | None = None
         self.max_num_seqs = max_num_seqs  # the most sequences a step can hold: one block-table row each
         self.block_tables: BlockTables | None = None  # set with the cache (its width depends on the pool)
@@ -167,6 +168,7 @@ class ModelRunner:
         self.fused_sampler = (triton is not None and device.type == "cuda"
                               and getattr(getattr(model, "ops", None), "name", None) == "triton")
         self.draws = {"fused": 0, "torch": 0}  # sampling steps by path
+        self.results_event = None  # step25: the CUDA event behind the newest results' copies to the host (start_read_back)
         self.workers = workers  # rank 0 of a tensor-parallel group: parallel.py's Workers (None: alone, or a worker)
         # step25: [max_num_seqs] int64, the newest token sampled for each block-table row, written on the device
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
@@ -321,6 +323,8 @@ class ModelRunner:
         row and the blocks it got since its last step), and the workers run this same method on them.
         step25: placeholders, the indices in work of the sequences whose last new token is a placeholder (sampled
         by the step before, not read by the host): its input id is its row's last_token, on the device."""
+        if self.results_event is not None and not self.results_event.query():  # the device still runs a step
+            self.stats["overlapped_launches"] += 1  # step25: whose results the host has not read: this one overlaps
         if changes is None:  # rank 0 (or alone) decides the rows; a worker is given them
             with self.timers.phase("prepare inputs"):
                 changes = self.block_tables.changes(work)
@@ -423,6 +427,7 @@ class ModelRunner:
             host.copy_(t, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
+        self.results_event = event  # the newest results' event: execute counts the launches made before it is reached
         return SimpleNamespace(hosts=hosts, event=event)
 
     def read_back(self, copies: SimpleNamespace) -> list[list]:

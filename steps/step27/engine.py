@@ -550,8 +550,6 @@ class LLM:
         scheduled = [seq for seq, _ in work]
         self.timers.steps += 1
         with timer("schedule"):
-            if self.in_flight is not None and not self.in_flight.done():  # the device still runs step N
-                self.stats["overlapped_launches"] += 1
             decodes = sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
             self.stats["decode_steps"] += bool(decodes)
             self.stats["decode_rows"] += decodes
