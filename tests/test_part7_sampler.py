@@ -66,7 +66,8 @@ def test_fused_draw_gives_the_torch_paths_tokens_and_logprobs(step, lesson):
 
 
 def seqs_for(params, n):
-    return [SimpleNamespace(params=params[i % len(params)], seed=7919 * i + 1, output_ids=[0] * (3 * i)) for i in range(n)]
+    return [SimpleNamespace(params=params[i % len(params)], seed=7919 * i + 1, output_ids=[0] * (3 * i),
+                            num_output_placeholders=0) for i in range(n)]
 
 
 @pytest.mark.parametrize("step", having("fused_sampler"))

@@ -281,6 +281,7 @@ def run_engine_core(model: str, engine_options: dict, input_addr: str, output_ad
         if setup is not None:
             setup(llm)
     except BaseException as e:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # exiting already: a stop now must not raise in the exit's cleanup
         kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
         out.send(encoder.encode(Error(f"the engine core failed to start: {e}" if kind == "ValueError" else
                                       f"the engine core failed to start: {type(e).__name__}: {e}", True, kind)))
@@ -304,6 +305,7 @@ def run_engine_core(model: str, engine_options: dict, input_addr: str, output_ad
         why = str(e) if isinstance(e, CoreFatalError) else f"its loop failed: {type(e).__name__}: {e}"
         core.outputs.put(Error(why, fatal=True))
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # exiting already: a stop now must not raise in the shutdown
         core.outputs.put(None)
         writer.join(timeout=5)
         try:
