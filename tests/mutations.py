@@ -50,15 +50,17 @@ class Mutation:
 
 MUTATIONS_READ_BEFORE_LAUNCH_OLD = """        with self.timers.phase("schedule"):
             work = self.scheduler.schedule()  # counts step N's tokens as placeholders: one more token each
-        launched = self._launch(work) if work else None
-        step_n, self.in_flight = self.in_flight, launched
-        outputs = self._read_step(step_n, partial) if step_n is not None else []
+        step_n = self.in_flight
+        try:
+            self.in_flight = self._launch(work) if work else None
+            outputs = self._read_step(step_n, partial) if step_n is not None else []
 """
 MUTATIONS_READ_BEFORE_LAUNCH_NEW = """        step_n, self.in_flight = self.in_flight, None
         outputs = self._read_step(step_n, partial) if step_n is not None else []
         with self.timers.phase("schedule"):
             work = self.scheduler.schedule()
-        self.in_flight = launched = self._launch(work) if work else None
+        try:
+            self.in_flight = self._launch(work) if work else None
 """
 
 MUTATIONS = [

@@ -7,6 +7,7 @@ On the CPU (one stream: the order, without overlap), on both model families:
 - the token computed for a request after its end is thrown away: counted in stats["discarded_tokens"] (one per
   request that ran on after its last token), never emitted;
 - a 96-token pool that preempts requests whose newest token is still a placeholder, and an abort between two steps;
+- a launch or a read that fails drops the requests of the two steps it touched and leaves no step in flight;
 - no block leaked, nothing left in flight once the engine is drained; AsyncLLM streams through it unchanged;
 - two tensor-parallel ranks (gloo) with async scheduling: the worker fills its placeholders' inputs from rank 0's
   tokens;
@@ -183,6 +184,43 @@ def test_abort_between_two_steps():
     assert_same([finished[kept], finished[later]], want, "abort between two steps")
     assert engine.stats["discarded_tokens"] - discarded == 3  # the aborted one's, and one past each end
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("where", ["launch", "read"])
+def test_a_failed_launch_or_read_drops_its_requests_and_leaves_no_step_in_flight(where, monkeypatch):
+    """The offline LLM, overlapped: a step whose launch (the runner's execute) or whose read (step N's sampled tokens)
+    raises drops the requests of step N and step N + 1 (half-updated: tokens counted that were never computed or
+    read) and leaves no step in flight, whose results a later step would read. A request that was waiting is not
+    touched, and it and a new request get the tokens the sync engine gives."""
+    llm = load_engine(OVERLAP).LLM(TINY, async_scheduling=True, **{**OPTIONS, "max_num_seqs": 2})
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    running = [llm.add_request(p, params) for p in PROMPTS[:2]]
+    waiting = llm.add_request(PROMPTS[2], params)  # no seat for it while the two run
+    for _ in range(3):
+        assert llm.step() == []
+    assert llm.in_flight is not None and {s.request_id for s in llm.in_flight.seqs} == set(running)
+    assert [s.request_id for s in llm.scheduler.waiting] == [waiting]
+    name = {"launch": "execute", "read": "read_sampled"}[where]
+    works, calls = getattr(llm.runner, name), []
+
+    def fails_once(*args, **kwargs):
+        calls.append(name)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return works(*args, **kwargs)
+
+    monkeypatch.setattr(llm.runner, name, fails_once)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.step()
+    assert llm.in_flight is None, "a failed step left a step in flight"
+    assert not any(r in llm.scheduler.requests for r in running), "the failed step's requests were not dropped"
+    assert [s.request_id for s in llm.scheduler.waiting] == [waiting]
+    later = llm.add_request(PROMPTS[3], params)
+    outs = {o.request_id: o for o in drain(llm)}
+    assert set(outs) == {waiting, later} and len(calls) > 1
+    assert_same([outs[waiting], outs[later]], engines(TINY)["sync"].generate(PROMPTS[2:4], params), "after a failure")
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.runner.block_tables.row_of == {}
 
 
 def no_pending(out) -> bool:

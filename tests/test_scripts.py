@@ -146,6 +146,7 @@ LAYERS = [
      "wire"},  # step26: the messages between the front end and the engine core
     {"model"},
     {"model_runner", "attention"},  # the runner and the attention backends that build its metadata
+    {"config"},  # the engine's options, checked once (EngineConfig; step25 on): it imports the runner's CPU default
     {"worker"},  # a rank's build and the tensor-parallel worker processes (step22 on)
     {"engine"},
     {"engine_core"},  # the engine core process around the engine (step26 on)

@@ -48,51 +48,45 @@ from types import SimpleNamespace
 import torch
 
 from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams, Tokenizer, check_conversations,
-                    check_engine_options, check_length, normalize_prompts, normalize_sampling_params,
-                    resolve_device_dtype, resolve_model)
+                    check_length, normalize_prompts, normalize_sampling_params)
 
 from .block_manager import BlockManager
+from .config import EngineConfig, check_enforce_eager, choose_async_scheduling, choose_attention_backend  # noqa: F401
 from .detokenizer import IncrementalDetokenizer
 from .model import KV_CACHE_DTYPES, ModelConfig, check_kv_cache_dtype  # noqa: F401
 from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks, to_device  # noqa: F401
-from .parallel import TensorParallel, WorkerError, check_tensor_parallel_size, rank_device
+from .parallel import TensorParallel, WorkerError, rank_device
 from .sampler import request_seed
 from .scheduler import Scheduler
 from .sequence import Finish, Sequence, SequenceStatus
 from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
 
 
-def check_enforce_eager(enforce_eager) -> bool:
-    """enforce_eager must be a bool (vLLM's option): True runs every step eagerly, False replays CUDA graphs."""
-    if not isinstance(enforce_eager, bool):
-        raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
-    return enforce_eager
-
-
-def choose_async_scheduling(asked, device: torch.device) -> bool:
-    """step25: async_scheduling, True, False or None (on with CUDA, off elsewhere). With tensor parallelism too: rank
-    0 shares each step's sampled tokens with the workers on the devices (model_runner.py's share_tokens)."""
-    if asked is not None and not isinstance(asked, bool):
-        raise ValueError(f"async_scheduling must be True, False or None, got {asked!r}")
-    return device.type == "cuda" if asked is None else asked
-
-
-def choose_attention_backend(asked: str | None, device: torch.device) -> str:
-    """"triton" (the kernels for prefill chunks and decodes) or "torch" (step14_7's loop). Default: triton on
-    CUDA when Triton is installed, torch elsewhere. On a CPU the kernel runs only in Triton's interpreter."""
-    import importlib.util
-    import os
-
-    has_triton = importlib.util.find_spec("triton") is not None
-    if asked is None:
-        return "triton" if device.type == "cuda" and has_triton else "torch"
-    if asked not in ("triton", "torch"):
-        raise ValueError(f"attention_backend must be 'triton', 'torch' or None, got {asked!r}")
-    if asked == "triton" and not has_triton:
-        raise ValueError("attention_backend='triton': Triton is not installed")
-    if asked == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("attention_backend='triton' on the CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1")
-    return asked
+def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict, tp: TensorParallel) -> str:
+    """The engine in one line (llm.backend, which run.py prints): what the config asked for and what the build found
+    (the KV pool's blocks and dtype and what sized it, the CUDA graphs captured or why none, the tensor split)."""
+    if cuda_graphs["enabled"]:
+        sizes = cuda_graphs["sizes"]
+        graphs = (f"CUDA graphs: {len(sizes)} captured (decode batches of {', '.join(map(str, sizes[:5]))}"
+                  f"{' .. ' + str(sizes[-1]) if len(sizes) > 5 else ''}), replayed for steps of decodes")
+    else:
+        graphs = f"CUDA graphs: off, eager ({cuda_graphs['reason']})"
+    c = model.config
+    split = (f"tensor parallel: {tp.size} ranks ({tp.backend}), each {c.num_heads} heads / "
+             f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
+             if tp.size > 1 else "tensor parallel: off (1 rank)")
+    kv = memory["kv_dtype"] + (" + an fp32 scale per token and KV head" if config.kv_cache_dtype == "int8" else "")
+    scheduling = ("scheduling: async (step N + 1 launched before step N's tokens are read"
+                  f"{'; one stream on the CPU: the order, no overlap' if config.device.type != 'cuda' else ''})"
+                  if config.async_scheduling else
+                  "scheduling: sync (each step's tokens read before the next step is scheduled)")
+    return (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), continuous batching + "
+            f"chunked prefill + preemption, paged KV ({memory['num_blocks']} blocks of {config.block_size}, KV dtype "
+            f"{kv}, sized by {memory['sized_by']}), "
+            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}, "
+            f"attention: {model.attention_backend.name}, elementwise: "
+            f"{'fused kernels' if model.ops.name == 'triton' else 'torch operators'}, {graphs}, "
+            f"{split}, {scheduling}")
 
 
 class LLM:
@@ -101,39 +95,27 @@ class LLM:
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
                  attention_backend: str | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
                  tensor_parallel_size: int = 1, async_scheduling: bool | None = None):
-        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)  # "auto" or "int8", checked before anything loads
-        self.enforce_eager = check_enforce_eager(enforce_eager)
-        check_tensor_parallel_size(tensor_parallel_size)  # its type now; how it splits the model once it is found
-        self.device, self.dtype = resolve_device_dtype(device, dtype)
-        self.async_scheduling = choose_async_scheduling(async_scheduling, self.device)
+        # Every option checked, the auto ones resolved and the model found (config.py), before anything loads.
+        self.config = config = EngineConfig(
+            model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
+            attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling)
+        self.model_name, self.device, self.dtype = config.model, config.device, config.dtype
+        self.async_scheduling = config.async_scheduling  # step25: read at every step (run.py switches it)
         self.in_flight: SimpleNamespace | None = None  # step25: the step launched and not read yet
-        if max_kv_tokens is None and self.device.type == "cpu":
-            max_kv_tokens = CPU_DEFAULT_KV_TOKENS  # the CPU knob; on CUDA, None = size the pool from free memory
-        check_engine_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             gpu_memory_utilization=gpu_memory_utilization, max_kv_tokens=max_kv_tokens,
-                             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                             may_be_none=("max_kv_tokens",))
-        self.model_name = str(model)
-        model_dir = resolve_model(model)
-        # the split must fit the model's heads: checked on its config, before any process starts
-        config = ModelConfig.from_json(model_dir / "config.json")
-        self.tensor_parallel_size = check_tensor_parallel_size(tensor_parallel_size, config, self.device)
-        self.tokenizer = Tokenizer(model_dir)
-        options = dict(dtype=self.dtype, attention_backend=choose_attention_backend(attention_backend, self.device),
-                       kv_cache_dtype=kv_cache_dtype, enforce_eager=self.enforce_eager, max_num_seqs=max_num_seqs,
-                       max_kv_tokens=max_kv_tokens, block_size=block_size,
-                       warmup_tokens=min(max_num_batched_tokens, config.max_position_embeddings),
-                       gpu_memory_utilization=gpu_memory_utilization)
+        self.tokenizer = Tokenizer(config.model_dir)
         self.is_shut_down = False  # shutdown() sets it: nothing runs after
         self.workers: Workers | None = None
-        if self.tensor_parallel_size == 1:
+        if config.tensor_parallel_size == 1:
             self.tp = TensorParallel()
         else:  # the workers start, then every rank builds its share; rank 0 is this process
             self.device = rank_device(self.device, 0)
-            self.workers, self.tp = start_tensor_parallel(self.tensor_parallel_size, self.device, model_dir, options)
+            self.workers, self.tp = start_tensor_parallel(config, self.device)
         self._finalizer = weakref.finalize(self, stop_tensor_parallel, self.workers, self.tp) if self.workers else None
         try:
-            self.runner, self.memory, self.cuda_graphs = build_rank(model_dir, self.device, self.tp, **options)
+            self.runner, self.memory, self.cuda_graphs = build_rank(config, self.device, self.tp)
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException as e:  # a worker's own error says more than the closed connection rank 0 saw
@@ -149,35 +131,13 @@ class LLM:
         # step25: tokens computed for requests that had finished (thrown away); launches that began while the step
         # before still ran on the device (CUDA: its results' event not reached yet)
         self.stats.update(discarded_tokens=0, overlapped_launches=0)
-        self.max_model_len = self.model.config.max_position_embeddings
-        num_blocks = self.memory["num_blocks"]
-        if self.cuda_graphs["enabled"]:
-            sizes = self.cuda_graphs["sizes"]
-            graphs = (f"CUDA graphs: {len(sizes)} captured (decode batches of {', '.join(map(str, sizes[:5]))}"
-                      f"{' .. ' + str(sizes[-1]) if len(sizes) > 5 else ''}), replayed for steps of decodes")
-        else:
-            graphs = f"CUDA graphs: off, eager ({self.cuda_graphs['reason']})"
-        c = self.model.config
-        split = (f"tensor parallel: {self.tp.size} ranks ({self.tp.backend}), each {c.num_heads} heads / "
-                 f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
-                 if self.tp.size > 1 else "tensor parallel: off (1 rank)")
-        kv = self.memory["kv_dtype"] + (" + an fp32 scale per token and KV head" if kv_cache_dtype == "int8" else "")
-        scheduling = ("scheduling: async (step N + 1 launched before step N's tokens are read"
-                      f"{'; one stream on the CPU: the order, no overlap' if self.device.type != 'cuda' else ''})"
-                      if self.async_scheduling else
-                      "scheduling: sync (each step's tokens read before the next step is scheduled)")
-        self.backend = (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), continuous batching + "
-                        f"chunked prefill + preemption, paged KV ({num_blocks} blocks of {block_size}, KV dtype {kv}, "
-                        f"sized by {self.memory['sized_by']}), "
-                        f"prefix caching {'on' if enable_prefix_caching else 'off'}, "
-                        f"attention: {self.model.attention_backend.name}, elementwise: "
-                        f"{'fused kernels' if self.model.ops.name == 'triton' else 'torch operators'}, {graphs}, "
-                        f"{split}, {scheduling}")
+        self.max_model_len = config.max_model_len
+        self.backend = describe_engine(config, self.model, self.memory, self.cuda_graphs, self.tp)
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
         # a request's released blocks free its block-table row in the runner
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
+        self.block_manager = BlockManager(self.memory["num_blocks"], config.block_size, config.enable_prefix_caching,
                                           on_release=self.runner.block_tables.release)
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.block_manager)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
         self.next_request_id = 0
         self.finished_outputs: list[RequestOutput] = []  # finished, not handed out yet (see generate)
 
@@ -311,8 +271,7 @@ class LLM:
                         logits = logits[to_device(torch.tensor(rows), logits.device)]
                 self._append_tokens(sampled, logits)
         except BaseException:  # a failure mid-step leaves these sequences half-updated: drop them, then re-raise
-            for seq in scheduled:
-                self.abort_request(seq.request_id)
+            self._drop(scheduled)
             raise
         with timer("schedule"):
             finished = [seq for seq in scheduled if seq.finish is not None]
@@ -388,9 +347,13 @@ class LLM:
         the next call's (1). A call with nothing to schedule still reads the step in flight."""
         with self.timers.phase("schedule"):
             work = self.scheduler.schedule()  # counts step N's tokens as placeholders: one more token each
-        launched = self._launch(work) if work else None
-        step_n, self.in_flight = self.in_flight, launched
-        outputs = self._read_step(step_n, partial) if step_n is not None else []
+        step_n = self.in_flight
+        try:
+            self.in_flight = self._launch(work) if work else None
+            outputs = self._read_step(step_n, partial) if step_n is not None else []
+        except BaseException:  # a launch or a read failed: its requests are dropped, and no step stays in flight
+            self._drop_failed_step(work, step_n)
+            raise
         if work:
             with self.timers.phase("schedule"):  # a request step N finished or that was aborted is gone already
                 self.scheduler.postprocess([(seq, n) for seq, n in work if seq.status is SequenceStatus.RUNNING])
@@ -413,21 +376,16 @@ class LLM:
             rows = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n == seq.num_tokens]
             # inputs past the tokens the host knows: a sequence's newest one, step N's token, still on the device
             placeholders = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n > len(seq.token_ids)]
-        try:
-            logits = self.runner.execute(work, placeholders=placeholders)  # one row per scheduled sequence, in order
-            if not rows:
-                return None
-            with timer("sample"):
-                sampled = [scheduled[i] for i in rows]
-                if len(rows) < len(scheduled):
-                    logits = logits[to_device(torch.tensor(rows), logits.device)]
-            results = self.runner.launch_sample(sampled, logits, keep_on_device=True)
-            for seq in sampled:  # after the draw: its keys count the outputs before
-                seq.num_output_placeholders += 1
-        except BaseException:  # as in the sync step: these sequences are half-updated, drop them
-            for seq in scheduled:
-                self.abort_request(seq.request_id)
-            raise
+        logits = self.runner.execute(work, placeholders=placeholders)  # one row per scheduled sequence, in order
+        if not rows:
+            return None
+        with timer("sample"):
+            sampled = [scheduled[i] for i in rows]
+            if len(rows) < len(scheduled):
+                logits = logits[to_device(torch.tensor(rows), logits.device)]
+        results = self.runner.launch_sample(sampled, logits, keep_on_device=True)
+        for seq in sampled:  # after the draw: its keys count the outputs before
+            seq.num_output_placeholders += 1
         event = results.copies.event
         return SimpleNamespace(seqs=sampled, results=results, done=lambda: event is None or event.query())
 
@@ -438,9 +396,8 @@ class LLM:
         is thrown away."""
         try:
             next_ids, chosen, tops = self.runner.read_sampled(step.results)
-        except BaseException:
-            for seq in step.seqs:
-                self.abort_request(seq.request_id)
+        except BaseException:  # these sequences counted a token that never came: drop them
+            self._drop(step.seqs)
             raise
         live = [i for i, seq in enumerate(step.seqs) if seq.status is not SequenceStatus.FINISHED]
         self.stats["discarded_tokens"] += len(step.seqs) - len(live)
@@ -456,3 +413,17 @@ class LLM:
             if partial:  # the requests that got a token and go on
                 outputs += [seq.partial_output() for seq in seqs if seq.finish is None]
             return outputs
+
+    def _drop_failed_step(self, work, step_n: SimpleNamespace | None) -> None:
+        """After a launch or a read that failed (_step_async): the sequences of step N + 1 (the work) and of step N are
+        half-updated (placeholders counted for tokens never computed or read), and are dropped; no step is left in
+        flight, whose results a later step would read (after a device error they cannot be read at all)."""
+        self.in_flight = None
+        self._drop([seq for seq, _ in work] + (step_n.seqs if step_n is not None else []))
+
+    def _drop(self, seqs: list[Sequence]) -> None:
+        """Drop these sequences (a failed step left them half-updated): each leaves the queues and frees its blocks,
+        unless it has ended already (then its request id may name a newer request, which is left alone)."""
+        for seq in seqs:
+            if self.scheduler.requests.get(seq.request_id) is seq:
+                self.scheduler.finish(seq)

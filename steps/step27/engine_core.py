@@ -69,8 +69,9 @@ def is_device_error(error: BaseException) -> bool:
 
 class _CoreLLM(LLM):
     """The offline engine as the core runs it: it stops on EOS, stop token ids and max_tokens, and decodes no text
-    (stop strings and text are the front end's). A step that fails leaves no step in flight. step27: it keeps the
-    cumulative logprob after each new token until a delta takes it (unsent_cumulative)."""
+    (stop strings and text are the front end's). A step that fails leaves no step in flight, as every LLM's does
+    (its requests dropped, and those of the step in flight: LLM._step_async). step27: it keeps the cumulative
+    logprob after each new token until a delta takes it (unsent_cumulative)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -87,19 +88,6 @@ class _CoreLLM(LLM):
         if num_outputs >= sp.max_tokens:
             return Finish("length", None, "")
         return None
-
-    def _step(self, partial: bool = False):
-        """LLM._step. A step that raises has dropped its own requests (LLM._step); a step still in flight (launched
-        by the overlapped loop, not read yet) is dropped here, with its requests: after a device error its results
-        could never be read, and while it is in flight the engine has unfinished work."""
-        try:
-            return super()._step(partial)
-        except BaseException:
-            step, self.in_flight = self.in_flight, None
-            if step is not None:
-                for seq in step.seqs:
-                    self.abort_request(seq.request_id)
-            raise
 
 
 class EngineCore:

@@ -1,16 +1,16 @@
 """A rank: how one is built, and the worker processes that hold ranks 1..N-1 (parallel.py says how the model is cut).
 
-build_rank is the whole of a rank's set-up: its share of the model, the attention backend, the KV cache and the CUDA
-graphs. Rank 0 (the engine, in the user's process) and every worker run this same build, so the collectives inside
-it (the profiled forward that sizes the cache, the captures) meet.
+build_rank is the whole of a rank's set-up, from the engine's config (config.py): its share of the model, the
+attention backend, the KV cache and the CUDA graphs. Rank 0 (the engine, in the user's process) and every worker run
+this same build, so the collectives inside it (the profiled forward that sizes the cache, the captures) meet.
 
-Rank 0 starts the workers with the spawn method (start_tensor_parallel) and keeps a handle on them (Workers): a
-pipe per worker for its doorbell and its words (hello, ready, error, its block-table rows), and the process to watch.
-A worker's life is worker_main: join the group, build, say ready, then run every step rank 0 announces, until told
-to stop or orphaned (the pipe closes with rank 0's process).
+Rank 0 starts the workers with the spawn method, each given the config (start_tensor_parallel), and keeps a handle
+on them (Workers): a pipe per worker for its doorbell and its words (hello, ready, error, its block-table rows), and
+the process to watch. A worker's life is worker_main: join the group, build, say ready, then run every step rank 0
+announces, until told to stop or orphaned (the pipe closes with rank 0's process).
 
-Layers: engine.py imports this module; this module imports the model, the runner, the attention backends and
-parallel.py; none of those imports it back.
+Layers: engine.py imports this module; this module imports the engine's config (config.py), the model, the runner,
+the attention backends and parallel.py; none of those imports it back.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import traceback
 import torch
 
 from .attention import BACKENDS
+from .config import EngineConfig
 from .model import CausalLM
 from .model_runner import ModelRunner
 from .parallel import (TIMEOUT_S, TensorParallel, WorkerError, free_port, pack_work, rank_device,  # noqa: F401
@@ -47,44 +48,45 @@ def new_stats() -> dict:
             "eager_forwards": 0, "padded_rows": 0, "syncs": 0, "verify_replays": 0}
 
 
-def build_rank(model_dir, device: torch.device, tp: TensorParallel, dtype: torch.dtype, attention_backend: str,
-               kv_cache_dtype: str, enforce_eager: bool, max_num_seqs: int, max_kv_tokens: int | None,
-               block_size: int, warmup_tokens: int, gpu_memory_utilization: float,
-               verify_graphs: tuple[int, int] | None = None):
-    """One rank's model runner: its share of the model, the attention backend, the KV cache (sized, on CUDA, by a
-    profiled forward) and the CUDA graphs. Rank 0 (the engine) and every worker run this same build, so the
-    collectives in its forwards meet. step27: verify_graphs = (k + 1, the largest batch that drafts with a graph):
-    the verify steps' graphs too. -> (runner, memory, cuda_graphs)."""
-    model = CausalLM.from_pretrained(model_dir, device, dtype, tp)
+def build_rank(config: EngineConfig, device: torch.device, tp: TensorParallel):
+    """One rank's model runner, as the engine's config says: its share of the model, the attention backend, the KV
+    cache (sized, on CUDA, by a profiled forward) and the CUDA graphs. Rank 0 (the engine) and every worker run this
+    same build, on its own device, so the collectives in its forwards meet. step27: the verify steps' graphs too
+    (config.verify_graphs: k + 1 tokens per row, up to the largest batch that drafts). -> (runner, memory,
+    cuda_graphs)."""
+    c = config
+    model = CausalLM.from_pretrained(c.model_dir, device, c.dtype, tp)
     # One object decides how attention runs: its metadata every step (the runner), its attention every layer
     # (the model). attention.py: TorchAttention (step14_7's loop) or TritonAttention (the kernels).
-    model.attention_backend = BACKENDS[attention_backend](model.config, device)
-    if attention_backend == "triton":  # the kernels' path: the layer's elementwise groups fused too (kernels/fused.py)
+    model.attention_backend = BACKENDS[c.attention_backend](model.config, device)
+    if c.attention_backend == "triton":  # the kernels' path: the layer's elementwise groups fused (kernels/fused.py)
         from .kernels.fused import TritonLayerOps
         model.ops = TritonLayerOps()
-    off = graphs_off_reason(enforce_eager, device, attention_backend)
-    runner = ModelRunner(model, device, dtype, PhaseTimers(device), new_stats(), kv_cache_dtype,
-                         use_graphs=off is None, max_num_seqs=max_num_seqs, verify=verify_graphs)
-    memory = runner.allocate_kv_cache(max_kv_tokens, block_size, warmup_tokens, gpu_memory_utilization)
+    off = graphs_off_reason(c.enforce_eager, device, c.attention_backend)
+    runner = ModelRunner(model, device, c.dtype, PhaseTimers(device), new_stats(), c.kv_cache_dtype,
+                         use_graphs=off is None, max_num_seqs=c.max_num_seqs, verify=c.verify_graphs)
+    warmup_tokens = min(c.max_num_batched_tokens, c.max_model_len)  # the largest step: its forward is profiled
+    memory = runner.allocate_kv_cache(c.max_kv_tokens, c.block_size, warmup_tokens, c.gpu_memory_utilization)
     # CUDA graphs: captured now, on the allocated cache (the graphs record its addresses)
     graphs = {"enabled": off is None, "reason": off}
     if off is None:
-        graphs.update(runner.capture_graphs(block_size))
+        graphs.update(runner.capture_graphs(c.block_size))
         memory["graph_pool_bytes"] = graphs["pool_bytes"]
     return runner, memory, graphs
 
 
-def start_tensor_parallel(size: int, device: torch.device, model_dir, options: dict):
-    """Start the N - 1 workers and join the group as rank 0. -> (Workers, rank 0's TensorParallel)."""
+def start_tensor_parallel(config: EngineConfig, device: torch.device):
+    """Start the N - 1 workers (N: config.tensor_parallel_size) and join the group as rank 0, on `device`.
+    -> (Workers, rank 0's TensorParallel)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel engine is already running in this process: shutdown() it first "
                            "(torch.distributed holds one group per process)")
-    workers = Workers(size, device, model_dir, options)
+    workers = Workers(config, device)
     try:
         workers.wait_started()
-        tp = TensorParallel.connect(0, size, workers.init_method, rank_device(device, 0), workers.timeout_s)
+        tp = TensorParallel.connect(0, workers.size, workers.init_method, rank_device(device, 0), workers.timeout_s)
     except BaseException:
         workers.shutdown()
         raise
@@ -101,19 +103,18 @@ class Workers:
     """Rank 0's handle on ranks 1..N-1: starts them, rings their doorbells, stops them. Holds no reference to the
     engine, so the engine's finaliser can stop them when the engine goes away."""
 
-    def __init__(self, size: int, device: torch.device, model_dir, options: dict, timeout_s: float = TIMEOUT_S):
+    def __init__(self, config: EngineConfig, device: torch.device, timeout_s: float = TIMEOUT_S):
         import multiprocessing as mp
 
-        self.size, self.timeout_s = size, timeout_s
+        self.size, self.timeout_s = config.tensor_parallel_size, timeout_s
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self.failed: str | None = None
         self.processes, self.conns = [], []
         ctx = mp.get_context("spawn")
-        for rank in range(1, size):
+        for rank in range(1, self.size):
             parent_end, child_end = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"tp-worker-{rank}", daemon=True,
-                            args=(rank, size, self.init_method, str(device), model_dir, options, child_end,
-                                  timeout_s))
+                            args=(rank, self.size, self.init_method, str(device), config, child_end, timeout_s))
             p.start()
             child_end.close()
             self.processes.append(p)
@@ -232,7 +233,7 @@ class Workers:
         self.failed = self.failed or "the engine was shut down"
 
 
-def worker_main(rank: int, size: int, init_method: str, device: str, model_dir, options: dict, conn,
+def worker_main(rank: int, size: int, init_method: str, device: str, config: EngineConfig, conn,
                 timeout_s: float) -> None:
     """A worker's life: join the group, build this rank's model runner (the same build as rank 0's, collective for
     collective), say ready, then run every step rank 0 announces until told to stop or orphaned."""
@@ -242,7 +243,7 @@ def worker_main(rank: int, size: int, init_method: str, device: str, model_dir, 
         if device.type == "cpu":  # the ranks share the machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         tp = TensorParallel.connect(rank, size, init_method, device, timeout_s)
-        runner, _, _ = build_rank(model_dir, device, tp, **options)
+        runner, _, _ = build_rank(config, device, tp)
         conn.send(("ready", None))
         while True:
             kind, numel = conn.recv()  # the doorbell; EOFError once rank 0's process is gone
