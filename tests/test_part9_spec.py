@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from helpers import load_engine, step_module
-from registry import REAL, TINY, introducing
+from registry import REAL, TINY, introducing, previous
 
 SPEC = introducing("speculative_decoding")
-BEFORE = "step26"
+BEFORE = previous(SPEC)
 QWEN = "random:tiny-qwen3"
 OPTIONS = dict(device="cpu", dtype="float32", max_kv_tokens=4096, max_num_seqs=16)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
