@@ -370,7 +370,9 @@ def test_gpu_async_equals_step24_exactly_while_the_batches_match():
         llm = load_engine(step).LLM("random:qwen3-0.6b", device="cuda", dtype="bfloat16", max_num_seqs=64,
                                     max_kv_tokens=60000, **options)
         outs[name] = llm.generate(prompts, params)
-        assert name == "before" or (llm.stats["graph_replays"] > 0 and llm.stats["overlapped_launches"] > 0)
+        # the overlapped order ran (a token computed past the end, thrown away: an ordering, not a timing; whether a
+        # launch began before the step before it ended is the 256-seat test's, below)
+        assert name == "before" or (llm.stats["graph_replays"] > 0 and llm.stats["discarded_tokens"] > 0)
         llm.shutdown()
     for i, (a, b) in enumerate(zip(outs["async"], outs["before"])):
         compare_completions(a.outputs[0], b.outputs[0], 0.0, exact=True, label=f"request {i}")
