@@ -358,6 +358,12 @@ MUTATIONS = [
         "                    if False:\n",
         ("tests/test_part9_core.py::test_sigkill_of_the_core_ends_open_streams",)),
     Mutation(
+        "step26-deaf-core", "step26's core lives on when its input thread dies (it no longer hears the front end)",
+        "steps/step26/engine_core.py",
+        "    except BaseException as e:\n        core.inputs.put(_io_failure(\"input\", e))\n",
+        "    except BaseException as e:\n        pass\n",
+        ("tests/test_part9_faults.py", "-k", "io_thread_that_dies and input and step26")),
+    Mutation(
         "step27-no-rollback", "step27 keeps the blocks of rejected drafts (no trim after a verify)",
         "steps/step27/scheduler.py",
         "            if seq.finish is None:\n                self.block_manager.trim(seq, seq.num_tokens)\n",
