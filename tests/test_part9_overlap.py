@@ -359,9 +359,10 @@ def test_gpu_async_equals_step24_with_graphs(seats):
 @pytest.mark.gpu
 def test_gpu_async_equals_step24_exactly_while_the_batches_match():
     """64 requests of 6 prompt tokens in 64 seats: they are prefilled in one step (384 tokens) and all end at one
-    step, so step25 batches every step as step24 does (its one extra step at the end aside), and every token, greedy
-    or sampled, must be the same and every logprob bit for bit. (Where requests end at different steps, step25 keeps
-    each one a step longer, the batches' shapes differ, and bf16 rounds differently: the test above.)"""
+    step, so step25 batches every step as step24 does (max_tokens is known: no step runs past the end), and every
+    token, greedy or sampled, must be the same and every logprob bit for bit. (Where requests end at different
+    steps, step25 keeps each one a step longer, the batches' shapes differ, and bf16 rounds differently: the test
+    above.)"""
     prompts, params = gpu_workload(64)
     prompts = [[(13 * i + 7 * j) % 5000 + 1 for j in range(6)] for i in range(64)]
     params = [SamplingParams(temperature=sp.temperature, seed=sp.seed, max_tokens=40, ignore_eos=True, logprobs=5)
@@ -370,10 +371,17 @@ def test_gpu_async_equals_step24_exactly_while_the_batches_match():
     for name, step, options in (("before", BEFORE, {}), ("async", OVERLAP, {"async_scheduling": True})):
         llm = load_engine(step).LLM("random:qwen3-0.6b", device="cuda", dtype="bfloat16", max_num_seqs=64,
                                     max_kv_tokens=60000, **options)
+        launches = []  # per launch, how many of its inputs were a token the host had not read yet
+
+        def counted(work, *args, _execute=llm.runner.execute, **kwargs):
+            launches.append(len(kwargs.get("placeholders", ())))
+            return _execute(work, *args, **kwargs)
+        llm.runner.execute = counted
         outs[name] = llm.generate(prompts, params)
-        # the overlapped order ran (a token computed past the end, thrown away: an ordering, not a timing; whether a
-        # launch began before the step before it ended is the 256-seat test's, below)
-        assert name == "before" or (llm.stats["graph_replays"] > 0 and llm.stats["discarded_tokens"] > 0)
+        # the overlapped order ran: every decode launch took step N's tokens from the device, before the host read them
+        # (an ordering, not a timing; whether a launch began before the step before it ended is the 256-seat test's)
+        assert llm.stats["graph_replays"] > 0 and llm.stats.get("discarded_tokens", 0) == 0
+        assert launches.count(64) == (len(launches) - 1 if name == "async" else 0), launches
         llm.shutdown()
     for i, (a, b) in enumerate(zip(outs["async"], outs["before"])):
         compare_completions(a.outputs[0], b.outputs[0], 0.0, exact=True, label=f"request {i}")
