@@ -150,7 +150,8 @@ def wants_filters(params: list[SamplingParams], vocab: int) -> bool:
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution a sampled row draws from: logits [S, vocab] (one row per sampled request, none greedy) ->
     probabilities [S, vocab] after temperature, then min-p, then top-k and top-p (the order of current vLLM).
-    step27: the speculative accept test reads the same distribution (speculative.py)."""
+    step27: a verify step draws each of its places through sample_batch too (model_runner.launch_draw), as a plain
+    step does."""
     def column(name):  # the requests' parameters: host numbers, decided on the host
         return torch.tensor([getattr(sp, name) for sp in params])
     sampled = logits / _per_row(column("temperature"), logits, logits.dtype)  # [S, vocab]
