@@ -46,6 +46,9 @@ The features (the step that brings each one in is where its lesson is tested in 
     overlap_scheduling  async_scheduling: step N + 1 launched before step N's tokens are read (PENDING places, the
                         device's last_token table), stats["discarded_tokens"]
     engine_core_process engine_core.py: AsyncLLM's EngineCore in its own process over ZMQ + msgpack, outputs as deltas
+    speculative_decoding speculative_config: n-gram drafts verified as a chunk of k + 1, exact (speculative.py)
+    fused_projections   ops.linear: each projection with its RMSNorm, SiLU * up or residual add; kernels/gemv.py's
+                        GEMV at one row on CUDA; ops.qk_norm_rope_write stores K and V in the q/k norm + RoPE kernel
 """
 from __future__ import annotations
 
@@ -121,6 +124,7 @@ step("step24", 8, adds=("openai_server",))
 step("step25", 9, adds=("overlap_scheduling",))
 step("step26", 9, adds=("engine_core_process",))
 step("step27", 9, adds=("speculative_decoding",))
+step("step28", 10, adds=("fused_projections",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}
