@@ -385,6 +385,36 @@ MUTATIONS = [
         "                seeds.append(seq.seed ^ 0x5EC0)\n",
         ("tests/test_part9_spec.py::test_a_seeded_sampled_request_gets_step26s_tokens_alone_in_a_batch_and_under_"
          "budget_pressure",)),
+    Mutation(
+        "step28-gemv-no-norm", "step28's GEMV skips the RMS in its norm prologue (x times the norm weight only)",
+        "steps/step28/kernels/gemv.py",
+        "xm = (g * (xm.to(tl.float32) * r).to(dtype).to(tl.float32)).to(dtype)",
+        "xm = (g * (xm.to(tl.float32) * 1.0).to(dtype).to(tl.float32)).to(dtype)",
+        ("tests/test_part10_fused.py::test_gemv_equals_its_reference[m1-n37-k576-norm-fp32]",)),
+    Mutation(
+        "step28-gemv-no-residual", "step28's GEMV drops the residual add of its epilogue",
+        "steps/step28/kernels/gemv.py",
+        "            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)\n",
+        "            y = y\n",
+        ("tests/test_part10_fused.py::test_gemv_equals_its_reference[m5-n33-k70-res-fp32]",)),
+    Mutation(
+        "step28-gemv-no-up", "step28's GEMV writes silu(gate) without the up product in its SiLU * up epilogue",
+        "steps/step28/kernels/gemv.py",
+        "            y = (act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)\n",
+        "            y = act\n",
+        ("tests/test_part10_fused.py::test_gemv_equals_its_reference[m8-n24-k64-norm-silu-fp32]",)),
+    Mutation(
+        "step28-kv-write-no-v", "step28's q/k norm + RoPE kernel stores K but not V",
+        "steps/step28/kernels/fused.py",
+        "            tl.store(vc_ptr + slot * stride_cs + kv * stride_ch + dims, v, mask=kv < KV_HEADS)\n",
+        "            v = v\n",
+        ("tests/test_part10_fused.py::test_qk_norm_rope_write_stores_what_write_kv_stores[9-3-64-False]",)),
+    Mutation(
+        "step28-o-proj-no-residual", "step28's o_proj and down_proj do not add the residual stream",
+        "steps/step28/model.py",
+        "            return self.ops.linear(a, weight, residual=x)\n",
+        "            return self.ops.linear(a, weight)\n",
+        ("tests/test_part10_fused.py::test_engine_equals_step27_bit_for_bit_on_the_torch_path[random:tiny-llama]",)),
     # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a placeholder's input id (0) instead "

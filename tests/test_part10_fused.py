@@ -160,15 +160,15 @@ def test_engine_equals_step27_bit_for_bit_on_the_torch_path(model):
 
 
 def test_engine_with_the_gemv_kernel_equals_step27():
-    """The kernels in the engine (interpreted), one request of 8 tokens: its prefill runs the matmul path (many rows)
-    and lm_head's GEMV (one row: the last token's); each of its 7 decodes runs the GEMV in the 4 projections of every
+    """The kernels in the engine (interpreted), one request of 5 tokens: its prefill runs the matmul path (many rows)
+    and lm_head's GEMV (one row: the last token's); each of its 4 decodes runs the GEMV in the 4 projections of every
     layer and in lm_head. The tokens are step27's; the logprobs agree up to the order of the sums over K."""
-    got, launches, backend, layers = outputs(FUSED, TINY_QWEN3, "triton", True, 8)
-    want, _, _, _ = outputs(BEFORE, TINY_QWEN3, "triton", False, 8)
-    assert "projections: Triton GEMV at 1 row" in backend
+    got, launches, backend, layers = outputs(FUSED, TINY_QWEN3, "triton", True, 5)
+    want, _, _, _ = outputs(BEFORE, TINY_QWEN3, "triton", False, 5)
+    assert "projections: torch matmuls" in backend  # the engine's line says the CPU's default, set when it was built
     for i, (a, b) in enumerate(zip(got, want)):
         compare_completions(a.outputs[0], b.outputs[0], 1e-4, exact=True, label=f"request {i}")
-    assert set(launches) == {1} and len(launches) == 1 + 7 * (4 * layers + 1), launches
+    assert set(launches) == {1} and len(launches) == 1 + 4 * (4 * layers + 1), launches
 
 
 def test_the_gemv_path_is_chosen_by_rows():

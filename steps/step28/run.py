@@ -32,9 +32,13 @@ def main() -> None:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))
         print_header("step28: one user's token in fewer, fuller kernels", llm)
         answer_question(llm, args)
-        before_after("step27", "step28", llm, args)
-        if llm.device.type == "cuda":
-            show_kernels(llm, args)
+        show_lesson(llm, args)
+
+
+def show_lesson(llm, args) -> None:
+    before_after("step27", "step28", llm, args)  # --requests at once (one by default), phases side by side
+    if llm.device.type == "cuda":
+        show_kernels(llm, args)
 
 
 def decode_kernels(llm, decodes: int = 16) -> tuple[float, float]:

@@ -94,9 +94,9 @@ def choose_config(m: int, n: int, k: int, silu_mul: bool = False) -> dict:
     """The tile for m rows, n output columns and k inputs: BLOCK_M the rows rounded up to a power of two, long
     K tiles (BLOCK_K up to 1024: few loop trips, many bytes in flight per program) and narrow column tiles (BLOCK_N
     2, or 8 with SiLU * up's two weight tiles), so that even a 1024-column projection has hundreds of programs
-    streaming its weight; a vocabulary-wide matrix (lm_head) has programs enough with tiles of 16 x 512. Chosen
-    from sweeps on the H200 at one row (docs/data/bench_step28.py)."""
-    if n >= 65536:
+    streaming its weight; a vocabulary-wide matrix (lm_head, from 16,384 columns) has programs enough with tiles
+    of 16 x 512. Chosen from sweeps on the H200 at one row (docs/data/bench_step28.py)."""
+    if n >= 16384:
         return {"BLOCK_M": triton.next_power_of_2(max(m, 1)), "BLOCK_N": 16, "BLOCK_K": min(512, triton.next_power_of_2(k)),
                 "num_warps": 4}
     return {"BLOCK_M": triton.next_power_of_2(max(m, 1)), "BLOCK_N": 8 if silu_mul else 2,
