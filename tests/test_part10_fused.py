@@ -171,20 +171,23 @@ def test_engine_with_the_gemv_kernel_equals_step27():
     assert set(launches) == {1} and len(launches) == 1 + 4 * (4 * layers + 1), launches
 
 
-def test_the_gemv_path_is_chosen_by_rows():
-    """gemv_max_rows decides: a step of one row runs the kernel, a step of two runs the matmul path."""
+def test_the_gemv_path_is_chosen_by_rows(monkeypatch):
+    """gemv_max_rows decides: a step of one row runs the GEMV kernel (and nothing else), a step of two runs the norm
+    kernel and the matmul; both give TorchLayerOps.linear's result."""
     fused = step_module(FUSED, "kernels.fused")
+    calls = []
+    gemv = fused.gemv
+    monkeypatch.setattr(fused, "gemv", lambda x, *a, **k: calls.append(x.shape[0]) or gemv(x, *a, **k))
     ops = fused.TritonLayerOps()
     ops.gemv_devices.add("cpu")
-    x, w, nw = torch.randn(2, 32), torch.randn(16, 32), torch.rand(32) + 0.5
-    before = ops.launches
-    ops.linear(x[:1], w, nw)
-    assert ops.launches == before + 1  # one kernel: the GEMV with its norm
-    ops.linear(x, w, nw)
-    assert ops.launches == before + 2  # the norm kernel; the matmul is torch's
-    torch.testing.assert_close(ops.linear(x[:1], w, nw, residual=torch.ones(1, 16)),
-                               step_module(FUSED, "model").TorchLayerOps().linear(x[:1], w, nw, residual=torch.ones(1, 16)),
+    x, w, nw, r = torch.randn(2, 32), torch.randn(16, 32), torch.rand(32) + 0.5, torch.randn(2, 16)
+    reference = step_module(FUSED, "model").TorchLayerOps()
+    torch.testing.assert_close(ops.linear(x[:1], w, nw, residual=r[:1]), reference.linear(x[:1], w, nw, residual=r[:1]),
                                atol=1e-5, rtol=1e-5)
+    assert calls == [1] and ops.launches == 1  # one kernel: the GEMV with its norm and its add
+    torch.testing.assert_close(ops.linear(x, w, nw, residual=r), reference.linear(x, w, nw, residual=r),
+                               atol=1e-5, rtol=1e-5)
+    assert calls == [1] and ops.launches == 2  # two rows: the norm kernel; the matmul and the add are torch's
 
 
 # ---- the GPU ---------------------------------------------------------------------------------------------------
