@@ -239,6 +239,17 @@ def kernel_ms(fn, device, calls: int = 10) -> float | None:
     return sum(e.time_range.elapsed_us() for e in kernels) / calls / 1000
 
 
+def busy_us(kernels) -> float:
+    """The microseconds a GPU was busy with some profiler events: the union of their intervals. Kernels of one
+    stream used not to overlap, so their durations summed to it; a kernel launched as a programmatic dependent
+    (step28) starts before the one it follows ends, and the sum would count the overlap twice."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernels):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy
+
+
 # ---- Part 6: the run.py files of the kernel steps ------------------------------------------------------------
 def kernel_arg_parser(description: str):
     """A Part 6 run.py's options: a Part 5 run.py's, plus --attention-backend."""

@@ -11,8 +11,11 @@ On the CPU (Triton's interpreter for the kernels):
   logprobs, on both families and on the real model;
 - with the kernels in the engine (the GEMV allowed on the CPU, a tiny model), the outputs equal step27's token for
   token and the GEMV ran in every projection of every one-row step (counted).
+- flash decoding in one launch (the last program of each sequence and KV head merges) equals the split and merge
+  kernels, the merge kernel never launched, the counters back at 0.
 On the GPU (`gpu`): bf16 GEMV against the reference at the model's shapes; step28's outputs equal step27's up to
-bf16 near-ties, and a decode step at batch 1 launches at least 5 kernels a layer fewer, counted with the profiler.
+bf16 near-ties, and a decode step at batch 1 launches at least 5 kernels a layer fewer and at most 200, counted with
+the profiler; one-launch flash decoding at every replay of a graph and the PDL launches change no number.
 """
 import functools
 
@@ -118,6 +121,41 @@ def test_qk_norm_rope_write_stores_what_write_kv_stores(heads, kv_heads, head_di
     written[slots] = True
     assert (k2.view(blocks * block, -1)[~written] == 7).all() and (v2.view(blocks * block, -1)[~written] == 7).all()
     assert not (k2.view(blocks * block, -1)[written] == 7).any()
+
+
+# ---- flash decoding's split and merge in one launch ------------------------------------------------------------
+def decode_case(seqs, heads, kv_heads, head_dim, dtype, device="cpu", longest=300, block=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    blocks = seqs * -(-longest // block) + 2
+    case = dict(q=torch.randn(seqs, heads, head_dim, generator=gen),
+                k_cache=torch.randn(blocks, block, kv_heads, head_dim, generator=gen),
+                v_cache=torch.randn(blocks, block, kv_heads, head_dim, generator=gen),
+                block_tables=torch.randperm(blocks, generator=gen)[:seqs * -(-longest // block)].view(seqs, -1).int(),
+                seq_lens=torch.randint(1, longest + 1, (seqs,), generator=gen, dtype=torch.int32))
+    return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in case.items()}
+
+
+@pytest.mark.parametrize("seqs, heads, kv_heads, splits", [(3, 4, 2, 5), (2, 8, 2, 20), (1, 6, 3, 7), (2, 4, 4, 1)])
+def test_one_launch_flash_decoding_equals_split_then_merge(seqs, heads, kv_heads, splits):
+    """The last program of each (sequence, KV head) merges the parts: the same output as the merge kernel's (bit for
+    bit in the interpreter), in one launch, and every counter back at 0 for the next launch, used twice."""
+    decode = step_module(FUSED, "kernels.decode")
+    case = decode_case(seqs, heads, kv_heads, 32, torch.float32)
+    want = decode.flash_decode(**case, scale=0.1, num_splits=splits, block_n=16)
+    counters = decode.decode_counters(seqs, kv_heads, "cpu")
+    launches = []
+    original = decode._flash_decode_merge_kernel
+    decode._flash_decode_merge_kernel = lambda *a, **k: launches.append(1)  # noqa: E731 (must not be launched)
+    try:
+        for _ in range(2):
+            got = decode.flash_decode(**case, scale=0.1, num_splits=splits, block_n=16, counters=counters)
+            assert torch.equal(got, want)
+            assert not counters.any()
+    finally:
+        decode._flash_decode_merge_kernel = original
+    assert launches == []
+    with pytest.raises(ValueError, match="counters"):
+        decode.flash_decode(**case, scale=0.1, num_splits=2, block_n=16, counters=counters[:1].long())
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------
@@ -228,3 +266,36 @@ def test_gpu_step28_equals_step27_up_to_near_ties_with_fewer_kernels_a_decode():
     for i, (a, b) in enumerate(zip(outs["fused"], outs["before"])):
         compare_completions(a.outputs[0], b.outputs[0], BF16_LOGPROB_MAX_ATOL, exact=False, label=f"request {i}")
     assert kernels["fused"] <= kernels["before"] - 5 * layers, kernels
+    assert kernels["fused"] <= 200, kernels  # with graphs: flash decoding's merge is in its split kernel
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_one_launch_flash_decoding_and_pdl_change_no_number():
+    """bf16 on the H200: flash decoding in one launch equals split + merge at every replay of a graph (whichever
+    program comes last), the counters back at 0; the layer's projections launched as programmatic dependents (PDL)
+    give the same numbers as launched one after the other."""
+    decode, g = step_module(FUSED, "kernels.decode"), gemv_module()
+    assert g.pdl_supported(torch.device("cuda"))
+    case = decode_case(2, 16, 8, 128, torch.bfloat16, "cuda", longest=3000)
+    want = decode.flash_decode(**case, scale=0.088, num_splits=33)
+    counters = decode.decode_counters(2, 8, "cuda")
+    graph = torch.cuda.CUDAGraph()
+    decode.flash_decode(**case, scale=0.088, num_splits=33, counters=counters, pdl=True)
+    with torch.cuda.graph(graph):
+        got = decode.flash_decode(**case, scale=0.088, num_splits=33, counters=counters, pdl=True)
+    for _ in range(50):
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0)  # the merge's sums in another order only
+        assert not counters.any()
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+          for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))]
+    nw = torch.rand(1024, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def layer(pdl):
+        a = g.gemv(x, ws[0], nw, pdl=pdl)[:, :2048]
+        y = g.gemv(a, ws[1], residual=x, pdl=pdl)
+        return g.gemv(g.gemv(y, ws[2], nw, silu_mul=True, pdl=pdl), ws[3], residual=y, pdl=pdl)
+    assert torch.equal(layer(True), layer(False))

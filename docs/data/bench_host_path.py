@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "docs" / "data"))
 import torch  # noqa: E402
 
 from shared import SamplingParams  # noqa: E402
+from shared.anatomy import busy_us  # noqa: E402
 from shared.bench import nano_vllm_workload  # noqa: E402
 
 
@@ -201,7 +202,8 @@ def timed_window(llm, prompts, params, window: tuple[int, int]) -> dict:
 
 def kernel_window(llm, prompts, params, window: tuple[int, int]) -> dict:
     """The same steps of the same workload run again, with the profiler recording the GPU's kernels (CUDA activity
-    only). Kernels on one stream do not overlap, so their summed time is the time the GPU was busy. The busy share
+    only). The time the GPU was busy is the union of their intervals (shared.anatomy.busy_us: step28's kernels
+    launched as programmatic dependents overlap the one before). The busy share
     divides it by timed_window's unwatched time (-> a dict to merge with timed_window's): the profiler slows each
     launch on the host (a graph's launch takes tens of microseconds alone, hundreds recorded), which an engine that
     overlaps the host with the GPU would show as idle GPU time. The watched steps' own time is kept beside it."""
@@ -210,7 +212,7 @@ def kernel_window(llm, prompts, params, window: tuple[int, int]) -> dict:
     steps = window[1] - window[0]
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False) and e.name not in llm.timers.seconds]
-    busy_ms = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) for e in kernels) / 1000 / steps
+    busy_ms = busy_us(kernels) / 1000 / steps
     return {"kind": "gpu_busy", "ms_per_step_profiled": watched_ms, "gpu_busy_ms_per_step": busy_ms,
             "kernels_per_step": len(kernels) / steps}
 

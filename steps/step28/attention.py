@@ -85,8 +85,8 @@ class TritonAttention(TorchAttention):
     """The kernels, no Python loop: every row of a step in one launch per layer (kernels/attention.py's
     mixed_attention: a decode is a row of one token, a prefill chunk a row of n, each causal within itself over
     its paged context). One exception: a step of decodes only, whose contexts are long enough that flash
-    decoding's split rule cuts them (kernels/decode.py), runs its split and merge kernels. `launches` counts the
-    attention kernels launched, every layer of every step."""
+    decoding's split rule cuts them (kernels/decode.py), runs flash decoding: its split and merge, one launch since
+    step28. `launches` counts the attention kernels launched, every layer of every step."""
 
     name = "triton"
 
@@ -97,6 +97,22 @@ class TritonAttention(TorchAttention):
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self.split_rule = {"num_sms": sms, "min_tokens_per_split": 256}
         self.launches = 0
+        self.counters = None  # step28: flash decoding's arrival counters, made at the first split step
+        self.retired_counters = []  # outgrown counters, kept alive: a graph captured earlier still points at them
+        from .kernels.gemv import pdl_supported  # step28: launch it as a programmatic dependent where it can
+        self.pdl = pdl_supported(device)
+
+    def decode_counters(self, num_seqs: int) -> torch.Tensor:
+        """step28: the counters of flash decoding's one-launch merge (kernels/decode.py), one per (sequence, KV
+        head), kept for every step: each launch leaves them at 0. Made for 1,024 sequences (32 KiB with 8 KV heads)
+        and grown if a step has more."""
+        from .kernels.decode import decode_counters
+
+        if self.counters is None or self.counters.numel() < num_seqs * self.config.num_kv_heads:
+            if self.counters is not None:
+                self.retired_counters.append(self.counters)
+            self.counters = decode_counters(max(num_seqs, 1024), self.config.num_kv_heads, self.device)
+        return self.counters
 
     def metadata(self, work, slots: torch.Tensor, block_size: int, tables, rows: list[int]) -> AttentionMetadata:
         """Nothing loops, so no sequence needs the loop's context slots or masks. Every row gets its block table
@@ -136,11 +152,11 @@ class TritonAttention(TorchAttention):
         from .kernels.decode import flash_decode
 
         c = self.config
-        if attn.decode is not None:  # flash decoding: a split kernel and a merge kernel
+        if attn.decode is not None:  # flash decoding: step28, the split and the merge in one launch
             d = attn.decode
-            self.launches += 2
+            self.launches += 1
             out = flash_decode(q, k_cache, v_cache, d.block_tables, d.seq_lens, c.head_dim ** -0.5, d.num_splits,
-                               k_scale=k_scale, v_scale=v_scale)
+                               k_scale=k_scale, v_scale=v_scale, counters=self.decode_counters(d.num), pdl=self.pdl)
             return out.reshape(d.num, c.num_heads * c.head_dim)
         x = attn.mixed  # every row of the step, one launch
         self.launches += 1

@@ -18,7 +18,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 import torch
 
 from shared import SamplingParams
-from shared.anatomy import anatomy_arg_parser, before_after, compared_options, demo_options, step_module
+from shared.anatomy import anatomy_arg_parser, before_after, busy_us, compared_options, demo_options, step_module
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -42,8 +42,9 @@ def show_lesson(llm, args) -> None:
 
 
 def decode_kernels(llm, decodes: int = 16) -> tuple[float, float]:
-    """The kernels of one decode step and their GPU microseconds: a profiled request of 1 + decodes tokens, less one
-    of 1 token (its prefill and sampling), per decode."""
+    """The kernels of one decode step and the GPU's busy microseconds: a profiled request of 1 + decodes tokens, less
+    one of 1 token (its prefill and sampling), per decode. Busy time is the union of the kernels' intervals: a kernel
+    launched as a programmatic dependent starts before the one it follows ends, so their durations overlap."""
     from torch.profiler import ProfilerActivity, profile
 
     prompt = list(range(100, 164))
@@ -54,7 +55,7 @@ def decode_kernels(llm, decodes: int = 16) -> tuple[float, float]:
             torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and not e.name.startswith(("Memcpy", "Memset"))]
-        return len(kernels), sum(e.device_time for e in kernels)
+        return len(kernels), busy_us(kernels)
     run(2)  # warm-up
     (n1, t1), (n2, t2) = run(1), run(1 + decodes)
     return (n2 - n1) / decodes, (t2 - t1) / decodes
@@ -67,8 +68,8 @@ def show_kernels(llm, args) -> None:
     for name, engine in (("step27", old), ("step28", llm)):
         kernels, gpu_us = decode_kernels(engine)
         rows.append([name, f"{kernels:.0f}", f"{gpu_us:.0f}"])
-    print("\nOne decode step at batch 1 (the profiler's kernels on the device, a graph replays the same ones):")
-    print(format_table(["step", "kernels", "GPU us"], rows))
+    print("\nOne decode step at batch 1 (the profiler's kernels on the device, and the time it was busy with them):")
+    print(format_table(["step", "kernels", "GPU busy us"], rows))
     old.shutdown()
 
 

@@ -21,6 +21,8 @@ Two versions of the same math, out = softmax(q·Kᵀ · scale) · V per (sequenc
                     GROUP query heads of that KV head at once, a single pass with the online softmax) cut into
                     parts of the context, and a merge. The engine runs it for a step of decodes that splits; every
                     other step goes through kernels/attention.py's mixed kernel, so v2 itself is gone (step18).
+                    step28: given counters (decode_counters), the split and the merge are one launch: the last
+                    program of each (sequence, KV head) to finish merges its heads (MERGE_LAST).
 
 All accumulation is in fp32; the output has q's dtype. On the CPU, Triton's interpreter (TRITON_INTERPRET=1) runs
 the kernels for fp32 and fp16; they refuse bf16 there (the interpreter's tl.dot gets bf16 wrong).
@@ -66,6 +68,7 @@ try:
 except ImportError:  # no Triton: the reference still works
     triton = None
 
+from .gemv import gdc_launch_dependents, gdc_wait
 from .attention import check_scales  # step20: an int8 cache's scales, checked as mixed_attention checks them
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
@@ -187,9 +190,12 @@ if triton is not None:
                                    stride_as, stride_ah, stride_ap,   # part_acc: [S, heads, splits, D]
                                    stride_bt,
                                    k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,  # int8: the scales
+                                   counter_ptr, num_kv_heads,         # step28: MERGE_LAST's arrival counters
                                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr, QUANTIZED: tl.constexpr):
+                                   DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr, QUANTIZED: tl.constexpr,
+                                   MERGE_LAST: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
+                                   GROUP_P: tl.constexpr = 1, PDL: tl.constexpr = False):
         """Program (seq, kv_head, split): the online softmax of query heads kv_head*GROUP .. +GROUP-1 over one
         contiguous range of seq's context.
 
@@ -206,7 +212,16 @@ if triton is not None:
                 step16's paged_decode_v2 wrote them; the merge kernel is not launched.
                 Otherwise: part_m[seq, h, split], part_l[seq, h, split], part_acc[seq, h, split, :] for the
                 GROUP heads h, all fp32, m in base-2 units.
+        step28, MERGE_LAST: the merge in the same launch. After storing its part, each program adds 1 to its
+                (seq, kv_head)'s counter; the program that finds num_splits - 1 there is the last of its group: every
+                other part is stored (each program's stores come before its add, the add releases them and the last
+                add acquires them), so it merges the GROUP heads' parts as the merge kernel would, in the same
+                order, and sets the counter back to 0 for the next launch (a captured graph replays the same
+                counters). Which program comes last depends on the timing; what it computes does not.
         """
+        if PDL:  # step28: launched before the K/V write ends: let the o projection start, then wait for q, K, V
+            gdc_launch_dependents()
+            gdc_wait()
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -268,6 +283,31 @@ if triton is not None:
             tl.store(part_l_ptr + seq * stride_ms + heads * stride_mh + split, l, mask=row_ok)
             tl.store(part_acc_ptr + seq * stride_as + heads[:, None] * stride_ah + split * stride_ap
                      + dims[None, :], acc, mask=row_ok[:, None])
+            if MERGE_LAST:
+                tl.debug_barrier()  # every thread's stores of this part, before the add that publishes them
+                counter = counter_ptr + seq * num_kv_heads + kv_head
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+                if arrived == num_splits - 1:  # the last: all GROUP heads' parts at once, [GROUP_P, BLOCK_P, D]
+                    tl.debug_barrier()
+                    g_rows = tl.arange(0, GROUP_P)
+                    parts = tl.arange(0, BLOCK_P)
+                    g_heads = kv_head * GROUP + g_rows
+                    ok = (g_rows < GROUP)[:, None] & (parts < num_splits)[None, :]
+                    at = seq * stride_ms + g_heads[:, None] * stride_mh + parts[None, :]
+                    # other programs wrote these: read them from L2 (.cg), past this SM's own cache
+                    pm = tl.load(part_m_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    pl = tl.load(part_l_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
+                    pa = tl.load(part_acc_ptr + seq * stride_as + g_heads[:, None, None] * stride_ah
+                                 + parts[None, :, None] * stride_ap + dims[None, None, :], mask=ok[:, :, None],
+                                 other=0.0, cache_modifier=".cg")
+                    m_max = tl.max(pm, axis=1)  # the merge kernel's arithmetic, a head per row (see it below)
+                    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+                    weight = tl.exp2(pm - m_max[:, None])
+                    total = tl.sum(pl * weight, axis=1)
+                    merged = tl.sum(pa * weight[:, :, None], axis=1) / tl.where(total > 0, total, 1.0)[:, None]
+                    tl.store(out_ptr + seq * stride_os + g_heads[:, None] * stride_oh + dims[None, :],
+                             merged.to(out_ptr.dtype.element_ty), mask=(g_rows < GROUP)[:, None])
+                    tl.atomic_xchg(counter, 0)
 
     @triton.jit
     def _flash_decode_merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_splits,
@@ -309,10 +349,11 @@ def _check_tiling(num_splits, block_n):
 
 
 def _launch_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, parts,
-                         block_n, num_warps, num_stages, k_scale=None, v_scale=None):
+                         block_n, num_warps, num_stages, k_scale=None, v_scale=None, counters=None, pdl=False):
     """Grid (num_seqs, kv_heads, num_splits). parts = (part_m, part_l, part_acc), or None: then num_splits must
     be 1 and the kernel writes the normalised output to out directly (DIRECT). k_scale, v_scale: an int8 cache's
-    scales (QUANTIZED), or None."""
+    scales (QUANTIZED), or None. counters (step28): int32 zeros, one per (seq, kv_head): the last program of each
+    merges into out (MERGE_LAST) and leaves its counter at 0 again."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // kv_heads
@@ -330,11 +371,19 @@ def _launch_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, num
         *m_strides, *acc_strides,
         block_tables.stride(0),
         *((k_scale, v_scale, *k_scale.stride()) if quantized else (k_cache, v_cache, 0, 0, 0)),  # unused if not
+        counters if counters is not None else seq_lens, kv_heads,  # unused without MERGE_LAST
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         # fp32 inputs: exact fp32 products (the default would round them to tf32 on the tensor cores).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, QUANTIZED=quantized,
+        MERGE_LAST=counters is not None, BLOCK_P=triton.next_power_of_2(num_splits), GROUP_P=triton.next_power_of_2(group),
+        PDL=pdl, **({"launch_pdl": True} if pdl else {}),
         num_warps=num_warps, num_stages=num_stages)
+
+
+def decode_counters(max_seqs: int, kv_heads: int, device) -> torch.Tensor:
+    """step28: the arrival counters flash_decode's one-launch merge needs, one per (sequence, KV head), zeros."""
+    return torch.zeros(max_seqs * kv_heads, dtype=torch.int32, device=device)
 
 
 def flash_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, block_n=64,
@@ -368,7 +417,7 @@ def _partials(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, bl
 
 
 def flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, block_n=64, num_warps=4,
-                 num_stages=3, k_scale=None, v_scale=None):
+                 num_stages=3, k_scale=None, v_scale=None, counters=None, pdl=False):
     """Decode attention with each context split num_splits ways (any positive integer). Returns
     [num_seqs, num_heads, head_dim] in q's dtype.
 
@@ -381,6 +430,10 @@ def flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
     iteration; with 3 stages Triton copies the next tile into shared memory while this one is computed); a
     benchmark may try others.
     k_scale, v_scale: an int8 cache's scales, [num_blocks, block_size, kv_heads] fp32 (None: q's dtype).
+    counters (step28): an int32 tensor of at least num_seqs * kv_heads zeros (decode_counters): the split and the
+    merge in one launch, the last program of each (seq, kv_head) merging its heads' parts; the counters are 0 again
+    when it returns, so the same tensor serves every launch (and a captured graph). None: the two launches.
+    pdl (with counters): launched as a programmatic dependent (gemv.py's pdl_supported).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed")
@@ -395,6 +448,17 @@ def flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
     if num_splits == 1:
         _launch_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, 1, out, None,
                              block_n, num_warps, num_stages, k_scale, v_scale)
+        return out
+    if counters is not None:
+        kv_heads = k_cache.shape[2]
+        if counters.dtype != torch.int32 or counters.device != q.device or counters.numel() < num_seqs * kv_heads:
+            raise ValueError(f"counters must be int32 on {q.device} with at least {num_seqs * kv_heads} entries, got "
+                             f"{counters.dtype} on {counters.device} with {counters.numel()}")
+        parts = (torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device),
+                 torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device),
+                 torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device))
+        _launch_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, parts, block_n,
+                             num_warps, num_stages, k_scale, v_scale, counters, pdl)
         return out
     part_m, part_l, part_acc = _partials(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, block_n,
                                          num_warps, num_stages, k_scale, v_scale)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .gemv import gemv
+from .gemv import gdc_launch_dependents, gdc_wait, gemv, pdl_supported
 
 try:
     import triton
@@ -76,10 +76,13 @@ if triton is not None:
                              slot_ptr, kc_ptr, vc_ptr, stride_cs, stride_ch,
                              NUM_HEADS: tl.constexpr, NUM_QK: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr,
-                             KV_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr):
+                             KV_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr, PDL: tl.constexpr = False):
         """One program per token, all its heads + kv_heads q and k heads at once ([BLOCK_H, HEAD_DIM / 2] tiles of
         each half): RMSNorm of each head over head_dim with q's or k's weight (when HAS_NORM), then the rotation of
         each (first half, second half) pair by the token's angle."""
+        if PDL:  # step28: launched before the qkv projection ends: let the next kernel start, then wait for qkv
+            gdc_launch_dependents()
+            gdc_wait()
         token = tl.program_id(0).to(tl.int64)
         heads = tl.arange(0, BLOCK_H)[:, None]  # one row per head
         half = tl.arange(0, HEAD_DIM // 2)[None, :]
@@ -187,11 +190,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
                  k_weight: torch.Tensor | None, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                 slot_mapping: torch.Tensor | None = None):
+                 slot_mapping: torch.Tensor | None = None, pdl: bool = False):
     """qkv [N, (heads + 2 * kv_heads) * head_dim], cos/sin [N, head_dim] -> q [N, heads, head_dim], k [N, kv_heads,
     head_dim]: normalised (when the weights are given) and rotated, one launch for both (views of one output).
     step28: with k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] (the model's dtype) and slot_mapping
-    [N], K and V are stored at each token's slot in the same launch, and only q is returned."""
+    [N], K and V are stored at each token's slot in the same launch, and only q is returned. pdl: launched as a
+    programmatic dependent (gemv.py's pdl_supported)."""
     _need_triton("qk_norm_rope")
     n = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -216,7 +220,8 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weig
             k_cache.stride(1) if write else 0, k_cache.stride(2) if write else 0,
             NUM_HEADS=num_heads, NUM_QK=num_heads + num_kv_heads, HEAD_DIM=head_dim,
             BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads), HAS_NORM=has_norm, WRITE_KV=write,
-            KV_HEADS=num_kv_heads, BLOCK_KV=triton.next_power_of_2(num_kv_heads), num_warps=4)
+            KV_HEADS=num_kv_heads, BLOCK_KV=triton.next_power_of_2(num_kv_heads), PDL=pdl, num_warps=4,
+            **({"launch_pdl": True} if pdl else {}))
     if write:
         return out[:, :num_heads]
     return out[:, :num_heads], out[:, num_heads:]
@@ -254,6 +259,13 @@ class TritonLayerOps:
         # step28: the devices where a step of few rows runs the GEMV kernel (a test adds "cpu", under Triton's
         # interpreter: there it would make every token take minutes on a real model)
         self.gemv_devices = {"cuda"}
+        self.pdl = None  # step28: whether the GEMV launches as a programmatic dependent (pdl_supported), per device
+
+    def uses_pdl(self, device) -> bool:
+        """step28: whether this device launches the GEMV and q/k norm + RoPE kernels as programmatic dependents."""
+        if self.pdl is None:
+            self.pdl = pdl_supported(device)
+        return self.pdl
 
     def add_rms_norm(self, x, residual, weight, eps):
         self.launches += 1
@@ -277,7 +289,7 @@ class TritonLayerOps:
             return q
         self.launches += 1
         return qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim,
-                            k_cache, v_cache, slot_mapping)
+                            k_cache, v_cache, slot_mapping, pdl=self.uses_pdl(qkv.device))
 
     def linear(self, x, weight, norm_weight=None, eps=1e-6, residual=None, silu_mul=False):
         """step28: model.py's TorchLayerOps.linear. On CUDA with at most gemv_max_rows rows: one GEMV kernel with
@@ -285,7 +297,7 @@ class TritonLayerOps:
         (on CUDA the residual added by cuBLAS itself, addmm: no kernel of its own) and the SiLU * up kernel."""
         if x.device.type in self.gemv_devices and x.shape[0] <= self.gemv_max_rows:
             self.launches += 1
-            return gemv(x, weight, norm_weight, eps, residual, silu_mul)
+            return gemv(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
         if norm_weight is not None:
             x = self.add_rms_norm(x, None, norm_weight, eps)[0]
         if residual is not None and not silu_mul:
