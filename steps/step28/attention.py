@@ -89,6 +89,7 @@ class TritonAttention(TorchAttention):
     step28. `launches` counts the attention kernels launched, every layer of every step."""
 
     name = "triton"
+    merge_in_split = True  # step28: flash decoding's merge inside its split kernel (False: step27's two launches)
 
     def __init__(self, config, device: torch.device):
         super().__init__(config, device)
@@ -154,9 +155,11 @@ class TritonAttention(TorchAttention):
         c = self.config
         if attn.decode is not None:  # flash decoding: step28, the split and the merge in one launch
             d = attn.decode
-            self.launches += 1
+            one = self.merge_in_split
+            self.launches += 1 if one else 2
             out = flash_decode(q, k_cache, v_cache, d.block_tables, d.seq_lens, c.head_dim ** -0.5, d.num_splits,
-                               k_scale=k_scale, v_scale=v_scale, counters=self.decode_counters(d.num), pdl=self.pdl)
+                               k_scale=k_scale, v_scale=v_scale, counters=self.decode_counters(d.num) if one else None,
+                               pdl=self.pdl and one)
             return out.reshape(d.num, c.num_heads * c.head_dim)
         x = attn.mixed  # every row of the step, one launch
         self.launches += 1
