@@ -386,11 +386,36 @@ MUTATIONS = [
         ("tests/test_part9_spec.py::test_a_seeded_sampled_request_gets_step26s_tokens_alone_in_a_batch_and_under_"
          "budget_pressure",)),
     Mutation(
-        "step28-gemv-no-norm", "step28's GEMV skips the RMS in its norm prologue (x times the norm weight only)",
+        "step28-gemv-no-norm", "step28's GEMV skips the division by the RMS of its folded norm (x times the norm "
+        "weight only)",
         "steps/step28/kernels/gemv.py",
-        "xm = (g * (xm.to(tl.float32) * r).to(dtype).to(tl.float32)).to(dtype)",
-        "xm = (g * (xm.to(tl.float32) * 1.0).to(dtype).to(tl.float32)).to(dtype)",
+        "            rstd = (1.0 / tl.sqrt(sq / K + eps))[:, None]\n",
+        "            rstd = (1.0 + sq * 0.0)[:, None]\n",
         ("tests/test_part10_fused.py::test_gemv_equals_its_reference[m1-n37-k576-norm-fp32]",)),
+    Mutation(
+        "step28-gemv-stale-prefetch", "step28's GEMV asks for the same weight tile again instead of the next one",
+        "steps/step28/kernels/gemv.py",
+        "            nks = ks + BLOCK_K\n",
+        "            nks = ks\n",
+        ("tests/test_part10_fused.py::test_gemv_equals_its_reference[m1-n37-k576-norm-fp32]",)),
+    Mutation(
+        "step28-merge-not-last", "step28's flash decoding merges in the first program to finish, not the last",
+        "steps/step28/kernels/decode.py",
+        "                if arrived == num_splits - 1:",
+        "                if arrived == 0:",
+        ("tests/test_part10_fused.py::test_one_launch_flash_decoding_equals_split_then_merge[3-4-2-5]",)),
+    Mutation(
+        "step28-merge-no-reset", "step28's flash decoding leaves its arrival counters where they are after merging",
+        "steps/step28/kernels/decode.py",
+        "                    tl.atomic_xchg(counter, 0)\n",
+        "                    counter = counter\n",
+        ("tests/test_part10_fused.py::test_one_launch_flash_decoding_equals_split_then_merge[3-4-2-5]",)),
+    Mutation(
+        "step28-draw-no-rescale", "step28's draw adds the blocks' sums without moving them to the row's maximum",
+        "steps/step28/kernels/sampling.py",
+        "            sums = tl.where(here, sums * tl.exp(shifts / t_safe - top).to(tl.float64), 0.0)\n",
+        "            sums = tl.where(here, sums, 0.0)\n",
+        ("tests/test_part7_sampler.py::test_fused_draw_gives_the_torch_paths_tokens_and_logprobs[step28]",)),
     Mutation(
         "step28-gemv-no-residual", "step28's GEMV drops the residual add of its epilogue",
         "steps/step28/kernels/gemv.py",
