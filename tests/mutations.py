@@ -399,10 +399,10 @@ MUTATIONS = [
         "            nks = ks\n",
         ("tests/test_part10_fused.py::test_gemv_equals_its_reference[m1-n37-k576-norm-fp32]",)),
     Mutation(
-        "step28-merge-not-last", "step28's flash decoding merges in the first program to finish, not the last",
+        "step28-merge-early", "step28's flash decoding merges in the next-to-last program to finish, not the last",
         "steps/step28/kernels/decode.py",
         "                if arrived == num_splits - 1:",
-        "                if arrived == 0:",
+        "                if arrived == num_splits - 2:",
         ("tests/test_part10_fused.py::test_one_launch_flash_decoding_equals_split_then_merge[3-4-2-5]",)),
     Mutation(
         "step28-merge-no-reset", "step28's flash decoding leaves its arrival counters where they are after merging",
