@@ -1,10 +1,11 @@
 """step28 demo: one user's token in fewer, fuller kernels. Each projection takes the RMSNorm before it and the
-residual add or SiLU * up after it; on CUDA a step of one row runs each as one GEMV kernel (kernels/gemv.py), and the
-q/k norm + RoPE kernel also writes the step's K and V into the cache.
+residual add or SiLU * up after it; on CUDA a step of one row runs each as one GEMV kernel (kernels/gemv.py), the
+q/k norm + RoPE kernel also writes the step's K and V into the cache, flash decoding merges inside its split kernel,
+the draw runs a program per block, and on Hopper the kernels launch as programmatic dependents.
 
 The lesson runs --requests requests (one by default: batch 1, where a decode's time is its kernels) through step27 and
 this step, alternated, with the phases side by side and the outputs compared; on CUDA it then counts the kernels of
-one decode step of each, and their GPU time, with the profiler. On a CPU the projections stay torch's matmuls (the
+one decode step of each, and the GPU's busy time, with the profiler. On a CPU the projections stay torch's matmuls (the
 engine's line says so): the same operations as step27, in the same order, so the outputs are equal bit for bit."""
 import sys
 from pathlib import Path
