@@ -106,8 +106,10 @@ def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict
                    f"), {verify_graphs}" if spec is not None else "speculative decoding: off")
     gemv_devices = getattr(model.ops, "gemv_devices", ())  # step28: where few rows run the GEMV kernel
     max_rows = model.ops.gemv_max_rows if gemv_devices else 0
+    pdl = ", launched as programmatic dependents (PDL)" if model.ops.name == "triton" and model.ops.uses_pdl(
+        config.device) else ""
     projections = (f"Triton GEMV at {max_rows} row{'s' if max_rows > 1 else ''} (norm, SiLU * up and residual "
-                   f"fused), cuBLAS above"
+                   f"fused){pdl}, cuBLAS above"
                    if config.device.type in gemv_devices else "torch matmuls (norm, SiLU * up and residual beside them)")
     return (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), continuous batching + "
             f"chunked prefill + preemption, paged KV ({memory['num_blocks']} blocks of {config.block_size}, KV dtype "
