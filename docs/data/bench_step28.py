@@ -145,13 +145,15 @@ def ms_per_token(llm, prompt, new_tokens, temperature):
     return 1000 * (m.finished_time - m.first_token_time) / (new_tokens - 1)
 
 
-def count_kernels(llm, prompt, decodes=32):
-    """Kernels (and their GPU time) of one decode step: a profiled request of 1 + decodes tokens minus one of 1."""
+def count_kernels(llm, prompt, decodes=32, temperature=0.0):
+    """Kernels (and the GPU's busy time) of one decode step: a profiled request of 1 + decodes tokens minus one of 1,
+    greedy or sampled at `temperature` (seeded)."""
     from torch.profiler import ProfilerActivity, profile
 
     def run(tokens):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+            llm.generate([prompt], SamplingParams(temperature=temperature, seed=3 if temperature else None,
+                                                  max_tokens=tokens, ignore_eos=True))
             torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and not e.name.startswith(("Memcpy", "Memset"))]

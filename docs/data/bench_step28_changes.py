@@ -24,11 +24,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
 from shared import SamplingParams  # noqa: E402
-from shared.anatomy import busy_us  # noqa: E402
+from bench_step28 import count_kernels  # noqa: E402  (docs/data: one decode step's kernels, profiled)
 
 ROWS = [("A", "step27", {}), ("B", "kv-write+addmm+draw", dict(gemv=False, merge=False, pdl=False)),
         ("C", "+gemv", dict(gemv=True, merge=False, pdl=False)), ("D", "+merge-in-split", dict(gemv=True, merge=True, pdl=False)),
@@ -52,22 +53,6 @@ def build(step, switches, model, device):
                                                                 gpu_memory_utilization=0.3)
 
 
-def decode_step(llm, prompt, decodes=32):
-    """Kernels and busy microseconds of one decode step: a profiled request of 1 + decodes tokens less one of 1."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def run(tokens):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            llm.generate([prompt], SamplingParams(temperature=0.6, seed=3, max_tokens=tokens, ignore_eos=True))
-            torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not e.name.startswith(("Memcpy", "Memset"))]
-        return len(kernels), busy_us(kernels)
-    run(4)
-    (n1, t1), (n2, t2) = run(1), run(1 + decodes)
-    return (n2 - n1) / decodes, (t2 - t1) / decodes
-
-
 def ms_per_token(llm, prompt, new_tokens):
     m = llm.generate([prompt], SamplingParams(temperature=0.6, seed=7, max_tokens=new_tokens, ignore_eos=True))[0].metrics
     return 1000 * (m.finished_time - m.first_token_time) / (new_tokens - 1)
@@ -89,7 +74,12 @@ def main():
         ms_per_token(llm, prompt, 16)  # warm-up
         # timed before the profiler has run: once it has, each launch costs the host more, for good
         runs = [ms_per_token(llm, prompt, args.new_tokens) for _ in range(args.repeats)]
-        kernels, busy = decode_step(llm, prompt) if args.device == "cuda" else (float("nan"), float("nan"))
+        if args.device == "cuda":
+            count_kernels(llm, prompt, 3, 0.6)  # warm-up
+            found = count_kernels(llm, prompt, temperature=0.6)
+            kernels, busy = found["kernels_per_decode_step"], found["gpu_busy_us_per_decode_step"]
+        else:
+            kernels, busy = float("nan"), float("nan")
         row = dict(key=key, label=label, switches=switches, kernels_per_decode_step=kernels,
                    kernels_per_layer=kernels / layers, gpu_busy_us_per_decode_step=busy, ms_per_token=runs,
                    backend=llm.backend)
