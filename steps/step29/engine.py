@@ -127,7 +127,7 @@ class LLM:
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
                  attention_backend: str | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
                  tensor_parallel_size: int = 1, async_scheduling: bool | None = None,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, quantization: str | None = None):
         # Every option checked, the auto ones resolved and the model found (config.py), before anything loads.
         self.config = config = EngineConfig(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -135,7 +135,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling,
-            speculative_config=speculative_config)
+            speculative_config=speculative_config, quantization=quantization)
         self.model_name, self.device, self.dtype = config.model, config.device, config.dtype
         self.async_scheduling = config.async_scheduling  # step25: read at every step (run.py switches it)
         self.in_flight: SimpleNamespace | None = None  # step25: the step launched and not read yet

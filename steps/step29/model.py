@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from .parallel import TensorParallel, is_vocab_parallel, shard, vocab_rows
+from .quant import Q4Weight, cat_rows, quantize_int4, read_gguf
 
 
 SUPPORTED = ("llama", "qwen3")
@@ -152,6 +153,8 @@ class TorchLayerOps:
         RMS-normalised first; with silu_mul, weight is [gate; up] and the result silu(gate) * up [M, N / 2]; with
         residual [M, N], it is added to the result (the new residual stream)."""
         h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
+        if isinstance(weight, Q4Weight):  # step29: 4-bit blocks, dequantised for this matmul only (d * q + m)
+            weight = weight.dequantize(h.dtype)
         y = h @ weight.T
         if silu_mul:
             y = self.silu_mul(y)
@@ -264,6 +267,33 @@ def load_shard(files, rank: int, size: int, device: torch.device, dtype: torch.d
     return weights
 
 
+def is_linear(name: str) -> bool:
+    """step29: a layer's projection (q, k, v, o, gate, up, down): the weights kept as 4-bit blocks."""
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+def load_gguf_shard(path: Path, config: "ModelConfig", rank: int, size: int, device: torch.device,
+                    dtype: torch.dtype) -> dict:
+    """step29: rank `rank`'s share of a GGUF checkpoint (quant.py's read_gguf): the projections as Q4Weight blocks
+    on the device (their rows or their inputs, as load_shard cuts a float tensor), every other tensor in dtype."""
+    weights = {}
+    for name, tensor in read_gguf(path, config.num_heads, config.num_kv_heads).items():
+        cut = shard(name, tensor.shape, rank, size)
+        if isinstance(tensor, Q4Weight):
+            if cut is not None:
+                tensor = tensor.rows(cut[1], cut[2]) if cut[0] == 0 else tensor.columns(cut[1], cut[2])
+            weights[name] = tensor.to(device)
+            continue
+        if cut is not None:
+            full_rows = tensor.shape[0]
+            tensor = tensor[cut[1]:cut[2]] if cut[0] == 0 else tensor[:, cut[1]:cut[2]]
+            if is_vocab_parallel(name) and tensor.shape[0] < vocab_rows(full_rows, size):
+                tensor = torch.cat([tensor, tensor.new_zeros(vocab_rows(full_rows, size) - tensor.shape[0],
+                                                             *tensor.shape[1:])])
+        weights[name] = tensor.to(device=device, dtype=dtype)
+    return weights
+
+
 class CausalLM:
     """A Llama or a Qwen3: the same code, with q/k norms when config.qk_norm. step22: config and weights are this
     rank's share (rank_config), tp its place in the group (parallel.py; rank 0 of 1 when not split)."""
@@ -283,12 +313,21 @@ class CausalLM:
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, device: torch.device, dtype: torch.dtype,
-                        tp: TensorParallel | None = None) -> "CausalLM":
-        """Load this rank's share of the checkpoint (load_shard reads only its slices)."""
+                        tp: TensorParallel | None = None, gguf_file: Path | None = None,
+                        quantization: str | None = None) -> "CausalLM":
+        """Load this rank's share of the checkpoint (load_shard reads only its slices). step29: with gguf_file, the
+        weights come from it, the linear layers' as their 4-bit blocks (load_gguf_shard); quantization="int4"
+        rounds a float checkpoint's linear layers to the same blocks as they are loaded."""
         tp = tp or TensorParallel()
         full = ModelConfig.from_json(Path(model_dir) / "config.json")
         config = rank_config(full, tp.size)
-        weights = load_shard(sorted(Path(model_dir).glob("*.safetensors")), tp.rank, tp.size, device, dtype)
+        if gguf_file is not None:
+            weights = load_gguf_shard(gguf_file, full, tp.rank, tp.size, device, dtype)
+        else:
+            weights = load_shard(sorted(Path(model_dir).glob("*.safetensors")), tp.rank, tp.size, device, dtype)
+        if quantization == "int4":
+            weights = {name: quantize_int4(w) if is_linear(name) and not isinstance(w, Q4Weight) else w
+                       for name, w in weights.items()}
         if "lm_head.weight" not in weights:  # tied: the output projection is the embedding matrix
             if not config.tie_word_embeddings:
                 raise ValueError(f"model: {model_dir} has no lm_head.weight and tie_word_embeddings is false")
@@ -374,9 +413,10 @@ def fuse_projections(weights: dict[str, torch.Tensor], config: ModelConfig) -> d
     In place, layer by layer: each layer's separate matrices are freed as soon as its stacked ones exist."""
     for layer in range(config.num_layers):
         a, m = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
-        weights[a + "qkv_proj.weight"] = torch.cat([weights.pop(a + n + "_proj.weight") for n in "qkv"])
-        weights[m + "gate_up_proj.weight"] = torch.cat([weights.pop(m + "gate_proj.weight"),
-                                                        weights.pop(m + "up_proj.weight")])
+        stack = lambda ws: cat_rows(ws) if isinstance(ws[0], Q4Weight) else torch.cat(ws)  # noqa: E731 (step29)
+        weights[a + "qkv_proj.weight"] = stack([weights.pop(a + n + "_proj.weight") for n in "qkv"])
+        weights[m + "gate_up_proj.weight"] = stack([weights.pop(m + "gate_proj.weight"),
+                                                    weights.pop(m + "up_proj.weight")])
     return weights
 
 

@@ -55,7 +55,7 @@ def build_rank(config: EngineConfig, device: torch.device, tp: TensorParallel):
     (config.verify_graphs: k + 1 tokens per row, up to the largest batch that drafts). -> (runner, memory,
     cuda_graphs)."""
     c = config
-    model = CausalLM.from_pretrained(c.model_dir, device, c.dtype, tp)
+    model = CausalLM.from_pretrained(c.model_dir, device, c.dtype, tp, c.gguf_file, c.quantization)
     # One object decides how attention runs: its metadata every step (the runner), its attention every layer
     # (the model). attention.py: TorchAttention (step14_7's loop) or TritonAttention (the kernels).
     model.attention_backend = BACKENDS[c.attention_backend](model.config, device)
