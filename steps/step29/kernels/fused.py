@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from ..quant import Q4Weight
 from .gemv import gdc_launch_dependents, gdc_wait, gemv, pdl_supported
+from .gemv4 import gemv4
 
 try:
     import triton
@@ -297,7 +299,11 @@ class TritonLayerOps:
         (on CUDA the residual added by cuBLAS itself, addmm: no kernel of its own) and the SiLU * up kernel."""
         if x.device.type in self.gemv_devices and x.shape[0] <= self.gemv_max_rows:
             self.launches += 1
+            if isinstance(weight, Q4Weight):  # step29: 4-bit blocks, dequantised in the kernel's registers
+                return gemv4(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
             return gemv(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
+        if isinstance(weight, Q4Weight):  # step29: more rows: the layer dequantised for this matmul, then cuBLAS
+            weight = weight.dequantize(x.dtype)
         if norm_weight is not None:
             x = self.add_rms_norm(x, None, norm_weight, eps)[0]
         if residual is not None and not silu_mul:

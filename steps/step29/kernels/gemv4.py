@@ -1,0 +1,153 @@
+"""step29: step28's GEMV reading 4-bit blocks (quant.py's Q4Weight), dequantised in registers.
+
+At one row a projection's time is the bytes of its weight. A 4-bit block of 32 weights is 20 bytes (16 of nibbles,
+a float16 scale d and minimum m) where bfloat16 takes 64: 0.3125x. The kernel reads the blocks and never writes a
+dequantised weight anywhere: each program loads its rows' bytes, splits each byte into its two 4-bit values and
+computes d * q + m in float32, in registers, right before the multiply.
+
+The nibbles are used where they lie. Byte j of a block holds value j (low nibble) and value j + 16 (high nibble),
+so instead of reordering the weights, the kernel reads x twice, at the inputs the low and the high nibbles belong
+to: for byte b of a row (block g = b // 16, i = b % 16) the low nibble multiplies x[32 g + i] and the high one
+x[32 g + 16 + i]. x is small and stays in the cache.
+
+Everything else is step28's kernel: one program per BLOCK_N output columns, every row of x (up to MAX_ROWS) at once,
+the RMSNorm folded (the weight times g * x summed with x's sum of squares, divided by the RMS at the end), SiLU * up
+or the residual in the epilogue, no split-K, programmatic dependent launch where supported (the blocks asked for
+before the wait, x after it).
+"""
+from __future__ import annotations
+
+import torch
+
+from .gemv import MAX_ROWS, gdc_launch_dependents, gdc_wait
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: model.py's torch path dequantises for each matmul
+    triton = None
+
+GROUP = 32
+
+
+if triton is not None:
+    @triton.jit
+    def _gemv4_kernel(x_ptr, packed_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, nw_ptr, M, N, K, eps,
+                      stride_xm, stride_pn, stride_sn, stride_om, stride_rm,
+                      HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
+        """Program p: out[:, p * BLOCK_N : (p + 1) * BLOCK_N] for every row of x; BLOCK_B bytes (2 * BLOCK_B
+        inputs) of each weight row a trip."""
+        if PDL:
+            gdc_launch_dependents()
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        dtype = out_ptr.dtype.element_ty
+        p_rows = packed_ptr + cols[:, None].to(tl.int64) * stride_pn
+        s_rows = cols[:, None].to(tl.int64) * stride_sn
+        half = K // 2
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SILU_MUL:
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            up_off = N * stride_pn
+            up_soff = N * stride_sn
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        waited = False
+        for b0 in range(0, half, BLOCK_B):
+            bs = b0 + tl.arange(0, BLOCK_B)  # byte positions in the row
+            b_ok = bs < half
+            ok = col_ok[:, None] & b_ok[None, :]
+            group = bs // (GROUP // 2)
+            k_low = group * GROUP + bs % (GROUP // 2)  # the inputs of the low and the high nibbles
+            k_high = k_low + GROUP // 2
+            byte = tl.load(p_rows + bs[None, :], mask=ok, other=0)
+            d = tl.load(scale_ptr + s_rows + group[None, :], mask=ok, other=0.0).to(tl.float32)
+            mn = tl.load(min_ptr + s_rows + group[None, :], mask=ok, other=0.0).to(tl.float32)
+            w_low = d * (byte & 0x0F).to(tl.float32) + mn
+            w_high = d * (byte >> 4).to(tl.float32) + mn
+            if SILU_MUL:
+                ubyte = tl.load(p_rows + up_off + bs[None, :], mask=ok, other=0)
+                ud = tl.load(scale_ptr + up_soff + s_rows + group[None, :], mask=ok, other=0.0).to(tl.float32)
+                um = tl.load(min_ptr + up_soff + s_rows + group[None, :], mask=ok, other=0.0).to(tl.float32)
+                u_low = ud * (ubyte & 0x0F).to(tl.float32) + um
+                u_high = ud * (ubyte >> 4).to(tl.float32) + um
+            if PDL:  # the first trip's blocks are asked for; x is the kernel before's output: wait for it once
+                if not waited:
+                    gdc_wait()
+                    waited = True
+            if HAS_NORM:
+                g_low = tl.load(nw_ptr + k_low, mask=b_ok, other=0.0).to(tl.float32)
+                g_high = tl.load(nw_ptr + k_high, mask=b_ok, other=0.0).to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                x_ok = b_ok & (bs * 0 + m < M)
+                x_low = tl.load(x_ptr + m * stride_xm + k_low, mask=x_ok, other=0.0).to(tl.float32)
+                x_high = tl.load(x_ptr + m * stride_xm + k_high, mask=x_ok, other=0.0).to(tl.float32)
+                here = rows == m
+                if HAS_NORM:
+                    sq = tl.where(here, sq + tl.sum(x_low * x_low + x_high * x_high, axis=0), sq)
+                    x_low = g_low * x_low
+                    x_high = g_high * x_high
+                part = tl.sum(w_low * x_low[None, :] + w_high * x_high[None, :], axis=1)
+                acc = tl.where(here[:, None], acc + part[None, :], acc)
+                if SILU_MUL:
+                    part_up = tl.sum(u_low * x_low[None, :] + u_high * x_high[None, :], axis=1)
+                    acc_up = tl.where(here[:, None], acc_up + part_up[None, :], acc_up)
+        if HAS_NORM:
+            rstd = (1.0 / tl.sqrt(sq / K + eps))[:, None]
+            acc = acc * rstd
+            if SILU_MUL:
+                acc_up = acc_up * rstd
+        y = acc.to(dtype)
+        if SILU_MUL:
+            gate = y.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+            y = (act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        ok = row_ok[:, None] & col_ok[None, :]
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=ok, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], y, mask=ok)
+
+
+def choose_config4(m: int, n: int, k: int, silu_mul: bool = False) -> dict:
+    """A first tile, to be swept on the GPU: narrow column tiles as step28's, 512 bytes (1,024 inputs) a trip."""
+    bm = triton.next_power_of_2(max(m, 1))
+    bb = min(512, triton.next_power_of_2(max(k // 2, 16)))
+    return {"BLOCK_M": bm, "BLOCK_N": 4 if silu_mul or n >= 16384 else 8, "BLOCK_B": bb, "num_warps": 4}
+
+
+def gemv4(x: torch.Tensor, weight, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+          residual: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None,
+          pdl: bool = False) -> torch.Tensor:
+    """gemv.py's gemv for a Q4Weight (quant.py): x [M, K] (M <= MAX_ROWS) -> x @ weight.T [M, N], the weight's
+    blocks dequantised in registers; norm_weight, silu_mul, residual and pdl as gemv's."""
+    if triton is None:
+        raise RuntimeError("gemv4 needs Triton (pip install triton); model.py's TorchLayerOps is the torch path")
+    n_rows, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"gemv4: x {tuple(x.shape)} must be [M, {k}], contiguous in K")
+    if k % GROUP:
+        raise ValueError(f"gemv4: K = {k} is not a whole number of {GROUP}-weight blocks")
+    m = x.shape[0]
+    if not 0 < m <= MAX_ROWS:
+        raise ValueError(f"gemv4: x has {m} rows; the kernel takes 1 to {MAX_ROWS} (more: a matmul)")
+    if silu_mul and n_rows % 2:
+        raise ValueError(f"gemv4: silu_mul needs [gate; up], an even row count, not {n_rows}")
+    n = n_rows // 2 if silu_mul else n_rows
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"gemv4: norm_weight {tuple(norm_weight.shape)} must be [{k}]")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"gemv4: residual {tuple(residual.shape)} must be [{m}, {n}], contiguous in its columns")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cfg = dict(config or choose_config4(m, n, k, silu_mul))
+    _gemv4_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, weight.packed, weight.scale, weight.minimum, out, residual if residual is not None else out,
+        norm_weight if norm_weight is not None else x, m, n, k, eps,
+        x.stride(0), weight.packed.stride(0), weight.scale.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        HAS_NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
+        PDL=pdl, **cfg, **({"launch_pdl": True} if pdl else {}))
+    return out
