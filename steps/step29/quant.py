@@ -189,3 +189,37 @@ def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> dict:
         else:
             raise ValueError(f"GGUF tensor {t.name!r} is {kind}: this engine reads Q4_1, Q8_0, F16 and F32 tensors")
     return out
+
+
+def fake_quantize(w: torch.Tensor, group: int) -> torch.Tensor:
+    """Round-to-nearest int4 of w in groups of `group` along K, dequantised again (float32): what the blocks would
+    hold, for any group size (the kernels read groups of GROUP; other sizes are for measuring only)."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4: a weight's inputs ({k}) must be a multiple of the group size {group}")
+    g = w.detach().float().view(n, k // group, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    d = ((hi - lo) / 15).half().float().clamp(min=torch.finfo(torch.float16).tiny)
+    m = lo.half().float()
+    return (torch.round((g - m) / d).clamp(0, 15) * d + m).view(n, k)
+
+
+def awq_scales(weight: torch.Tensor, x: torch.Tensor, group: int, grid: int = 20) -> tuple[torch.Tensor, float]:
+    """Activation-aware scales (AWQ, Lin et al. 2023) for one linear: the inputs that carry large activations matter
+    more, so scale them up before rounding (their weights then round more finely relative to their size) and the
+    inputs down by the same factor. s = mean|x|^alpha per input channel, alpha from a grid in [0, 1], the one whose
+    rounded product x (Q(W s) / s) is closest to x W (the mean squared error on the calibration rows x [T, K]).
+    -> (s [K], alpha); alpha 0 is plain rounding (s = 1)."""
+    w = weight.float()
+    x = x.float()
+    want = x @ w.T
+    importance = x.abs().mean(0).clamp(min=1e-8)
+    best = (float("inf"), torch.ones_like(importance), 0.0)
+    for i in range(grid + 1):
+        alpha = i / grid
+        s = importance.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()  # centred around 1, so the weights keep their range
+        err = ((x / s) @ fake_quantize(w * s, group).T - want).pow(2).mean().item()
+        if err < best[0]:
+            best = (err, s, alpha)
+    return best[1], best[2]
