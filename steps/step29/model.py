@@ -267,6 +267,21 @@ def load_shard(files, rank: int, size: int, device: torch.device, dtype: torch.d
     return weights
 
 
+def weight_bytes(weights: dict) -> tuple[int, int]:
+    """step29: (bytes of the projections' weights, bytes of every weight), each tensor counted once (a tied lm_head
+    is the embedding)."""
+    seen, linear, total = set(), 0, 0
+    for name, w in weights.items():
+        key = id(w.packed) if isinstance(w, Q4Weight) else id(w)
+        if key in seen:
+            continue
+        seen.add(key)
+        n = w.nbytes if isinstance(w, Q4Weight) else w.numel() * w.element_size()
+        total += n
+        linear += n if ("_proj." in name and name.startswith("model.layers.")) else 0
+    return linear, total
+
+
 def is_linear(name: str) -> bool:
     """step29: a layer's projection (q, k, v, o, gate, up, down): the weights kept as 4-bit blocks."""
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
