@@ -1,4 +1,10 @@
-"""step28 demo: one user's token in fewer, fuller kernels. Each projection takes the RMSNorm before it and the
+"""step29 demo: 4-bit weights, the checkpoint as shipped. The embedded model's projections stay the GGUF's Q4_1 blocks
+(quant.py): on a CPU a torch path dequantises them for each matmul, on CUDA a GEMV reads the blocks and dequantises
+in registers (kernels/gemv4.py); quantization="int4" rounds a float checkpoint's projections to the same blocks.
+The outputs of the embedded model are step28's: the same weights. The lesson compares the two and their weights'
+bytes.
+
+step28's demo, below, for reference: one user's token in fewer, fuller kernels. Each projection takes the RMSNorm before it and the
 residual add or SiLU * up after it; on CUDA a step of one row runs each as one GEMV kernel (kernels/gemv.py), the
 q/k norm + RoPE kernel also writes the step's K and V into the cache, flash decoding merges inside its split kernel,
 the draw runs a program per block, and on Hopper the kernels launch as programmatic dependents.
@@ -31,13 +37,19 @@ def main() -> None:
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
         llm = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))
-        print_header("step28: one user's token in fewer, fuller kernels", llm)
+        print_header("step29: 4-bit weights, the checkpoint as shipped", llm)
         answer_question(llm, args)
         show_lesson(llm, args)
 
 
 def show_lesson(llm, args) -> None:
-    before_after("step27", "step28", llm, args)  # --requests at once (one by default), phases side by side
+    before_after("step28", "step29", llm, args)  # --requests at once (one by default), phases side by side
+    from .model import weight_bytes
+    linear, total = weight_bytes(llm.model.w)
+    step28 = step_module("step28", "model")
+    print(f"\nWeights as loaded: step29 {total / 2**20:.0f} MiB, the projections {linear / 2**20:.0f} MiB "
+          f"({'4-bit blocks' if linear else 'floats'}); step28 holds every weight as {llm.dtype}"
+          f" ({step28.__name__.split('.')[1]}: the float checkpoint).")
     if llm.device.type == "cuda":
         show_kernels(llm, args)
 
