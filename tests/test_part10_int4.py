@@ -98,3 +98,60 @@ def test_bad_input_is_a_value_error():
         q.quantize_int4(torch.randn(4, 40))
     with pytest.raises(ValueError, match="block boundary|multiples of 32"):
         q.quantize_int4(torch.randn(4, 64)).columns(0, 40)
+
+
+def test_the_shipped_blocks_give_step28s_outputs_bit_for_bit():
+    """The embedded model's projections as their Q4_1 blocks, dequantised by the torch path for each matmul: the
+    float32 values step28 loads, so every token and logprob is step28's (greedy, batched)."""
+    from shared import SamplingParams
+
+    q = quant()
+    prompts = ["The quick brown fox", "def fibonacci(n):\n    ", "Hello"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    before = step_module("step28", "engine").LLM("smollm2-135m", device="cpu")
+    after = step_module(STEP, "engine").LLM("smollm2-135m", device="cpu")
+    assert sum(isinstance(w, q.Q4Weight) for w in after.model.w.values()) == 4 * after.model.config.num_layers
+    assert "4-bit Q4_1 blocks as the GGUF ships them" in after.backend
+    for a, b in zip(before.generate(prompts, params), after.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_int4_on_load_stays_near_the_float_model():
+    """quantization="int4" on a float checkpoint (the tiny random models): every projection is 4-bit blocks, and the
+    first position's distribution stays within the stated bound of the float model's: |logprob difference| < 0.1 on
+    every token both top-20 lists hold (at least 10 of them). A random model's distribution is nearly flat (its top
+    20 lie within about 0.1 of each other), so its argmax may change; the logprobs barely move."""
+    from shared import SamplingParams
+
+    q = quant()
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=20)
+    engine = step_module(STEP, "engine")
+    for model in ("random:tiny-qwen3", "random:tiny-llama"):
+        floats = engine.LLM(model, device="cpu")
+        int4 = engine.LLM(model, device="cpu", quantization="int4")
+        assert not any(isinstance(w, q.Q4Weight) for w in floats.model.w.values())
+        assert sum(isinstance(w, q.Q4Weight) for w in int4.model.w.values()) == 4 * int4.model.config.num_layers
+        for a, b in zip(floats.generate(["Hello there", "A B C D"], params), int4.generate(["Hello there", "A B C D"], params)):
+            la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+            common = set(la) & set(lb)
+            assert len(common) >= 10, (model, len(common))
+            assert max(abs(la[t] - lb[t]) for t in common) < 0.1, model
+
+
+def test_a_gguf_tensor_type_it_does_not_read_is_a_value_error(tmp_path):
+    import gguf
+
+    q = quant()
+    w = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
+    writer.add_tensor("blk.0.attn_v.weight", raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    bf = gguf.quants.quantize(w, gguf.GGMLQuantizationType.BF16)
+    writer.add_tensor("blk.0.attn_k.weight", bf, raw_shape=bf.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="attn_k.*BF16"):
+        q.read_gguf(tmp_path / "m.gguf", 4, 4)
