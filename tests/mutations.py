@@ -440,6 +440,30 @@ MUTATIONS = [
         "            return self.ops.linear(a, weight, residual=x)\n",
         "            return self.ops.linear(a, weight)\n",
         ("tests/test_part10_fused.py::test_engine_equals_step27_bit_for_bit_on_the_torch_path[random:tiny-llama]",)),
+    Mutation(
+        "step29-gemv4-nibbles-swapped", "step29's 4-bit GEMV takes a byte's high nibble for the low one's input",
+        "steps/step29/kernels/gemv4.py",
+        "            w_low = d * (byte & 0x0F).to(tl.float32) + mn\n",
+        "            w_low = d * (byte >> 4).to(tl.float32) + mn\n",
+        ("tests/test_part10_int4.py::test_gemv4_equals_dequantise_then_matmul[1-48-64-False-False-False]",)),
+    Mutation(
+        "step29-gemv4-no-minimum", "step29's 4-bit GEMV drops the blocks' minimum (d * q only)",
+        "steps/step29/kernels/gemv4.py",
+        "            w_high = d * (byte >> 4).to(tl.float32) + mn\n",
+        "            w_high = d * (byte >> 4).to(tl.float32)\n",
+        ("tests/test_part10_int4.py::test_gemv4_equals_dequantise_then_matmul[1-48-64-False-False-False]",)),
+    Mutation(
+        "step29-q4-scale-and-min-swapped", "step29 reads a Q4_1 block's minimum as its scale and its scale as its minimum",
+        "steps/step29/quant.py",
+        "    scale = torch.from_numpy(blocks[..., 0:2].copy()",
+        "    scale = torch.from_numpy(blocks[..., 2:4].copy()",
+        ("tests/test_part10_int4.py::test_a_q4_1_file_reads_back_as_gguf_reads_it",)),
+    Mutation(
+        "step29-q-k-rows-not-restored", "step29 keeps llama.cpp's order of the q and k rows",
+        "steps/step29/quant.py",
+        "            if heads is not None:\n",
+        "            if heads is not None and False:\n",
+        ("tests/test_part10_int4.py::test_embedded_gguf_dequantises_to_the_float_checkpoint",)),
     # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a placeholder's input id (0) instead "
