@@ -55,29 +55,43 @@ if triton is not None:
             up_off = N * stride_pn
             up_soff = N * stride_sn
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        waited = False
+        # the first trip's bytes, scales and minima asked for before the wait (they depend on no earlier kernel)
+        bs = tl.arange(0, BLOCK_B)
+        ok = col_ok[:, None] & (bs < half)[None, :]
+        group = bs // (GROUP // 2)
+        byte = tl.load(p_rows + bs[None, :], mask=ok, other=0)
+        d = tl.load(scale_ptr + s_rows + group[None, :], mask=ok, other=0.0)
+        mn = tl.load(min_ptr + s_rows + group[None, :], mask=ok, other=0.0)
+        if SILU_MUL:
+            ubyte = tl.load(p_rows + up_off + bs[None, :], mask=ok, other=0)
+            ud = tl.load(scale_ptr + up_soff + s_rows + group[None, :], mask=ok, other=0.0)
+            um = tl.load(min_ptr + up_soff + s_rows + group[None, :], mask=ok, other=0.0)
+        if PDL:  # x (and the residual) are the kernel before's outputs: wait for it once, here
+            gdc_wait()
         for b0 in range(0, half, BLOCK_B):
             bs = b0 + tl.arange(0, BLOCK_B)  # byte positions in the row
             b_ok = bs < half
-            ok = col_ok[:, None] & b_ok[None, :]
             group = bs // (GROUP // 2)
             k_low = group * GROUP + bs % (GROUP // 2)  # the inputs of the low and the high nibbles
             k_high = k_low + GROUP // 2
-            byte = tl.load(p_rows + bs[None, :], mask=ok, other=0)
-            d = tl.load(scale_ptr + s_rows + group[None, :], mask=ok, other=0.0).to(tl.float32)
-            mn = tl.load(min_ptr + s_rows + group[None, :], mask=ok, other=0.0).to(tl.float32)
-            w_low = d * (byte & 0x0F).to(tl.float32) + mn
-            w_high = d * (byte >> 4).to(tl.float32) + mn
+            d32, mn32 = d.to(tl.float32), mn.to(tl.float32)
+            w_low = d32 * (byte & 0x0F).to(tl.float32) + mn32
+            w_high = d32 * (byte >> 4).to(tl.float32) + mn32
             if SILU_MUL:
-                ubyte = tl.load(p_rows + up_off + bs[None, :], mask=ok, other=0)
-                ud = tl.load(scale_ptr + up_soff + s_rows + group[None, :], mask=ok, other=0.0).to(tl.float32)
-                um = tl.load(min_ptr + up_soff + s_rows + group[None, :], mask=ok, other=0.0).to(tl.float32)
-                u_low = ud * (ubyte & 0x0F).to(tl.float32) + um
-                u_high = ud * (ubyte >> 4).to(tl.float32) + um
-            if PDL:  # the first trip's blocks are asked for; x is the kernel before's output: wait for it once
-                if not waited:
-                    gdc_wait()
-                    waited = True
+                ud32, um32 = ud.to(tl.float32), um.to(tl.float32)
+                u_low = ud32 * (ubyte & 0x0F).to(tl.float32) + um32
+                u_high = ud32 * (ubyte >> 4).to(tl.float32) + um32
+            # the next trip's blocks, asked for now (past the row: a mask of nothing, no bytes read)
+            nbs = bs + BLOCK_B
+            nok = col_ok[:, None] & (nbs < half)[None, :]
+            ngroup = nbs // (GROUP // 2)
+            byte = tl.load(p_rows + nbs[None, :], mask=nok, other=0)
+            d = tl.load(scale_ptr + s_rows + ngroup[None, :], mask=nok, other=0.0)
+            mn = tl.load(min_ptr + s_rows + ngroup[None, :], mask=nok, other=0.0)
+            if SILU_MUL:
+                ubyte = tl.load(p_rows + up_off + nbs[None, :], mask=nok, other=0)
+                ud = tl.load(scale_ptr + up_soff + s_rows + ngroup[None, :], mask=nok, other=0.0)
+                um = tl.load(min_ptr + up_soff + s_rows + ngroup[None, :], mask=nok, other=0.0)
             if HAS_NORM:
                 g_low = tl.load(nw_ptr + k_low, mask=b_ok, other=0.0).to(tl.float32)
                 g_high = tl.load(nw_ptr + k_high, mask=b_ok, other=0.0).to(tl.float32)
