@@ -155,3 +155,12 @@ def test_a_gguf_tensor_type_it_does_not_read_is_a_value_error(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="attn_k.*BF16"):
         q.read_gguf(tmp_path / "m.gguf", 4, 4)
+
+
+@pytest.mark.parametrize("n, k", [(5, 64), (33, 96), (16, 1088)])
+def test_dequantize4_is_the_blocks_dequantised(n, k):
+    """The one-launch dequantiser (the path of steps with more rows) writes what Q4Weight.dequantize computes."""
+    pytest.importorskip("triton")
+    q, g4 = quant(), step_module(STEP, "kernels.gemv4")
+    w = q.quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(n * k)))
+    assert torch.equal(g4.dequantize4(w, torch.float32), w.dequantize(torch.float32))

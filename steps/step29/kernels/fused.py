@@ -29,7 +29,7 @@ import torch
 
 from ..quant import Q4Weight
 from .gemv import gdc_launch_dependents, gdc_wait, gemv, pdl_supported
-from .gemv4 import gemv4
+from .gemv4 import dequantize4, gemv4
 
 try:
     import triton
@@ -303,7 +303,8 @@ class TritonLayerOps:
                 return gemv4(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
             return gemv(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
         if isinstance(weight, Q4Weight):  # step29: more rows: the layer dequantised for this matmul, then cuBLAS
-            weight = weight.dequantize(x.dtype)
+            self.launches += 1
+            weight = dequantize4(weight, x.dtype)
         if norm_weight is not None:
             x = self.add_rms_norm(x, None, norm_weight, eps)[0]
         if residual is not None and not silu_mul:

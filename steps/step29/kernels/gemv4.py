@@ -165,3 +165,38 @@ def gemv4(x: torch.Tensor, weight, norm_weight: torch.Tensor | None = None, eps:
         HAS_NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
         PDL=pdl, **cfg, **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+if triton is not None:
+    @triton.jit
+    def _dequantize4_kernel(packed_ptr, scale_ptr, min_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_on,
+                            BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+        """Program (row tile, byte tile): d * q + m for BLOCK_N rows and 2 * BLOCK_B inputs, in one pass over the
+        blocks, written in the checkpoint's order (low nibbles to 32 g + i, high ones to 32 g + 16 + i)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        bs = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+        ok = (rows < N)[:, None] & (bs < K // 2)[None, :]
+        group = bs // (GROUP // 2)
+        k_low = group * GROUP + bs % (GROUP // 2)
+        r64 = rows[:, None].to(tl.int64)
+        byte = tl.load(packed_ptr + r64 * stride_pn + bs[None, :], mask=ok, other=0)
+        d = tl.load(scale_ptr + r64 * stride_sn + group[None, :], mask=ok, other=0.0).to(tl.float32)
+        mn = tl.load(min_ptr + r64 * stride_sn + group[None, :], mask=ok, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        tl.store(out_ptr + r64 * stride_on + k_low[None, :], (d * (byte & 0x0F).to(tl.float32) + mn).to(dtype), mask=ok)
+        tl.store(out_ptr + r64 * stride_on + (k_low + GROUP // 2)[None, :], (d * (byte >> 4).to(tl.float32) + mn).to(dtype),
+                 mask=ok)
+
+
+def dequantize4(weight, dtype: torch.dtype) -> torch.Tensor:
+    """A Q4Weight as a [N, K] tensor of dtype in one launch (quant.py's Q4Weight.dequantize, the torch reference, is
+    several passes over the matrix): the path of a step with more rows than the GEMV takes, before cuBLAS."""
+    if triton is None:
+        raise RuntimeError("dequantize4 needs Triton; quant.py's Q4Weight.dequantize is the torch path")
+    n, k = weight.shape
+    out = torch.empty((n, k), dtype=dtype, device=weight.packed.device)
+    block_n, block_b = 16, 64
+    _dequantize4_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 2, block_b))](
+        weight.packed, weight.scale, weight.minimum, out, n, k, weight.packed.stride(0), weight.scale.stride(0),
+        out.stride(0), BLOCK_N=block_n, BLOCK_B=block_b, num_warps=4)
+    return out
