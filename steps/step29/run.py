@@ -34,17 +34,30 @@ from .engine import LLM
 def main() -> None:
     parser = anatomy_arg_parser(__doc__)
     parser.set_defaults(requests=1, lesson_tokens=32)
+    parser.add_argument("--quantization", choices=["int4"], default=None,
+                        help="int4: round a float checkpoint's projections to 4-bit blocks on load (default: the "
+                             "weights as the checkpoint ships them; the embedded model's are 4-bit already)")
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                  **demo_options(args))
         print_header("step29: 4-bit weights, the checkpoint as shipped", llm)
         answer_question(llm, args)
         show_lesson(llm, args)
 
 
 def show_lesson(llm, args) -> None:
-    before_after("step28", "step29", llm, args)  # --requests at once (one by default), phases side by side
     from .model import weight_bytes
+    if getattr(args, "quantization", None):  # int4 on load: another model than step28's, so no equality to check
+        floats = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))
+        for name, engine in (("as shipped", floats), (args.quantization, llm)):
+            linear, total = weight_bytes(engine.model.w)
+            out = engine.generate([args.prompt or "The capital of France is"],
+                                  SamplingParams(temperature=0, max_tokens=args.lesson_tokens))[0].outputs[0]
+            print(f"{name:>10}: weights {total / 2**20:.0f} MiB (projections {linear / 2**20:.1f} MiB): {out.text!r}")
+        floats.shutdown()
+        return
+    before_after("step28", "step29", llm, args)  # --requests at once (one by default), phases side by side
     linear, total = weight_bytes(llm.model.w)
     step28 = step_module("step28", "model")
     print(f"\nWeights as loaded: step29 {total / 2**20:.0f} MiB, the projections {linear / 2**20:.0f} MiB "
