@@ -198,16 +198,21 @@ def test_gpu_int4_gemv_path_equals_the_dequantise_path_up_to_near_ties():
     fused = step_module(STEP, "kernels.fused")
     prompts = [[(7 * i + 13 * j) % 5000 + 1 for j in range(40 + 9 * i)] for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
-    outs = {}
+    outs, calls = {}, []
+    original = fused.gemv4
+    fused.gemv4 = lambda *a, **k: calls.append(1) or original(*a, **k)  # noqa: E731 (a graph captures the calls)
     for rows in (0, 1):
         fused.TritonLayerOps.gemv_max_rows = rows
+        calls.clear()
         try:
             llm = step_module(STEP, "engine").LLM("random:qwen3-0.6b", device="cuda", dtype="bfloat16",
                                                   max_kv_tokens=16384, gpu_memory_utilization=0.3, quantization="int4")
             assert "int4 blocks rounded on load" in llm.backend
             outs[rows] = [llm.generate([p], params)[0] for p in prompts]
             llm.shutdown()
+            assert (len(calls) > 0) == (rows == 1), (rows, len(calls))
         finally:
             fused.TritonLayerOps.gemv_max_rows = 1
+    fused.gemv4 = original
     for i, (a, b) in enumerate(zip(outs[1], outs[0])):
         compare_completions(a.outputs[0], b.outputs[0], BF16_LOGPROB_MAX_ATOL, exact=False, label=f"request {i}")
