@@ -15,7 +15,7 @@ blocks: a Q4Weight holds one linear's [N, K] weight as three tensors, in the lay
     scale    float16  [N, K / 32]   d of each block
     minimum  float16  [N, K / 32]   m of each block
 
-(0.625 bytes a weight, 0.156x bfloat16's). The tensors that are not Q4_1 are read as what they are: the norms are
+(0.625 bytes a weight, 0.3125x bfloat16's 2). The tensors that are not Q4_1 are read as what they are: the norms are
 float32 (read as the model's dtype), the token embedding (tied to lm_head) is Q8_0 (32 signed 8-bit values and one
 float16 scale a block), dequantised once on load: a gather reads one row of it per token, and lm_head's matmul reads
 it whole (the 4-bit GEMV covers the layers' projections).
