@@ -443,14 +443,20 @@ MUTATIONS = [
     Mutation(
         "step29-gemv4-nibbles-swapped", "step29's 4-bit GEMV takes a byte's high nibble for the low one's input",
         "steps/step29/kernels/gemv4.py",
-        "            w_low = d32 * (byte & 0x0F).to(tl.float32) + mn32\n",
-        "            w_low = d32 * (byte >> 4).to(tl.float32) + mn32\n",
+        "            q_low, q_high = _nibbles(byte, False, EXPONENT_TRICK), _nibbles(byte, True, EXPONENT_TRICK)\n",
+        "            q_low, q_high = _nibbles(byte, True, EXPONENT_TRICK), _nibbles(byte, False, EXPONENT_TRICK)\n",
         ("tests/test_part10_int4.py::test_gemv4_equals_dequantise_then_matmul[1-48-64-False-False-False]",)),
     Mutation(
         "step29-gemv4-no-minimum", "step29's 4-bit GEMV drops the blocks' minimum (d * q only)",
         "steps/step29/kernels/gemv4.py",
-        "            w_high = d32 * (byte >> 4).to(tl.float32) + mn32\n",
-        "            w_high = d32 * (byte >> 4).to(tl.float32)\n",
+        "                part = tl.sum(d32 * dot + mn32 * x_sum[None, :], axis=1)\n",
+        "                part = tl.sum(d32 * dot, axis=1)\n",
+        ("tests/test_part10_int4.py::test_gemv4_equals_dequantise_then_matmul[1-48-64-False-False-False]",)),
+    Mutation(
+        "step29-gemv4-minimum-as-scale", "step29's 4-bit GEMV takes the blocks' minimum for their scale",
+        "steps/step29/kernels/gemv4.py",
+        "            d32, mn32 = d.to(tl.float32), mn.to(tl.float32)\n",
+        "            d32, mn32 = mn.to(tl.float32), mn.to(tl.float32)\n",
         ("tests/test_part10_int4.py::test_gemv4_equals_dequantise_then_matmul[1-48-64-False-False-False]",)),
     Mutation(
         "step29-q4-scale-and-min-swapped", "step29 reads a Q4_1 block's minimum as its scale and its scale as its minimum",

@@ -86,7 +86,7 @@ def test_gemv4_equals_dequantise_then_matmul(m, n, k, norm, silu, res):
     nw = torch.rand(k, generator=gen) + 0.5 if norm else None
     r = torch.randn(m, n, generator=gen) if res else None
     want = reference(x, w.dequantize(), nw, 1e-6, r, silu)
-    for config in (None, {"BLOCK_M": 8, "BLOCK_N": 4, "BLOCK_B": 16, "num_warps": 4}):
+    for config in (None, {"BLOCK_M": 8, "BLOCK_N": 4, "BLOCK_G": 1, "num_warps": 4}):
         torch.testing.assert_close(g4.gemv4(x, w, nw, 1e-6, r, silu, config), want, atol=1e-5, rtol=1e-5)
 
 
@@ -191,7 +191,7 @@ def test_gpu_gemv4_and_dequantize4_bf16_at_the_model_shapes():
 @cuda
 def test_gpu_int4_gemv_path_equals_the_dequantise_path_up_to_near_ties():
     """random:qwen3-0.6b with quantization="int4", batch 1 with CUDA graphs: the 4-bit GEMV path's tokens follow
-    the dequantise-then-cuBLAS path's (gemv_max_rows = 0) up to bf16 near-ties, and the GEMV ran (counted)."""
+    the dequantise-then-cuBLAS path's (gemv4_max_rows = 0) up to bf16 near-ties, and the GEMV ran (counted)."""
     from helpers import BF16_LOGPROB_MAX_ATOL, compare_completions
     from shared import SamplingParams
 
@@ -199,10 +199,11 @@ def test_gpu_int4_gemv_path_equals_the_dequantise_path_up_to_near_ties():
     prompts = [[(7 * i + 13 * j) % 5000 + 1 for j in range(40 + 9 * i)] for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     outs, calls = {}, []
+    limit = fused.TritonLayerOps.gemv4_max_rows
     original = fused.gemv4
     fused.gemv4 = lambda *a, **k: calls.append(1) or original(*a, **k)  # noqa: E731 (a graph captures the calls)
     for rows in (0, 1):
-        fused.TritonLayerOps.gemv_max_rows = rows
+        fused.TritonLayerOps.gemv4_max_rows = rows
         calls.clear()
         try:
             llm = step_module(STEP, "engine").LLM("random:qwen3-0.6b", device="cuda", dtype="bfloat16",
@@ -212,7 +213,7 @@ def test_gpu_int4_gemv_path_equals_the_dequantise_path_up_to_near_ties():
             llm.shutdown()
             assert (len(calls) > 0) == (rows == 1), (rows, len(calls))
         finally:
-            fused.TritonLayerOps.gemv_max_rows = 1
+            fused.TritonLayerOps.gemv4_max_rows = limit
     fused.gemv4 = original
     for i, (a, b) in enumerate(zip(outs[1], outs[0])):
         compare_completions(a.outputs[0], b.outputs[0], BF16_LOGPROB_MAX_ATOL, exact=False, label=f"request {i}")

@@ -12,6 +12,10 @@ and on CUDA the GPU's busy share of engine steps 60-80 of the workload (every se
 
     python docs/data/bench_host_path.py --steps step20 step21 step24 --repeats 3 --out $OUT/host_path.jsonl
     python docs/data/bench_host_path.py --model random:tiny-qwen3 --device cpu --requests 4 --steps step21 step24
+    python docs/data/bench_host_path.py --steps step28 step29:quantization=int4 --share 0.3
+
+A step may carry engine options after a colon (step29:quantization=int4,kv_cache_dtype=int8): the engine is built
+with them, and its lines name it so.
 """
 from __future__ import annotations
 
@@ -86,8 +90,9 @@ def main() -> None:
 
             LLM = load_engine(Path(args.before), args.steps[-1], "before_tree").LLM
         else:
-            LLM = importlib.import_module(f"steps.{step}.engine").LLM
+            LLM = importlib.import_module(f"steps.{step.partition(':')[0]}.engine").LLM
         options = dict(max_num_seqs=256, max_num_batched_tokens=16384)
+        options.update(kv.split("=", 1) for kv in step.partition(":")[2].split(",") if kv)  # step29:key=value
         if args.device == "cuda":
             options["gpu_memory_utilization"] = min(k * args.share, 0.95)
         else:

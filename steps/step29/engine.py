@@ -109,11 +109,13 @@ def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict
     max_rows = model.ops.gemv_max_rows if gemv_devices else 0
     pdl = ", launched as programmatic dependents (PDL)" if model.ops.name == "triton" and model.ops.uses_pdl(
         config.device) else ""
-    projections = (f"Triton GEMV at {max_rows} row{'s' if max_rows > 1 else ''} (norm, SiLU * up and residual "
-                   f"fused){pdl}, cuBLAS above"
-                   if config.device.type in gemv_devices else "torch matmuls (norm, SiLU * up and residual beside them)")
     linear, total = weight_bytes(model.w)  # step29: what the weights take, as loaded (this rank's share)
     blocks = any(isinstance(w, Q4Weight) for w in model.w.values())
+    rows4 = model.ops.gemv4_max_rows if blocks and gemv_devices else 0  # step29: the 4-bit GEMV's rows
+    projections = (f"Triton GEMV at {max_rows} row{'s' if max_rows > 1 else ''} (norm, SiLU * up and residual "
+                   f"fused){pdl}, cuBLAS above" + (f"; the 4-bit blocks: the 4-bit GEMV up to {rows4} rows, above "
+                                                  f"them dequantised for each matmul, then cuBLAS" if rows4 else "")
+                   if config.device.type in gemv_devices else "torch matmuls (norm, SiLU * up and residual beside them)")
     source = (("4-bit Q4_1 blocks as the GGUF ships them" if config.gguf_file is not None else
                "int4 blocks rounded on load (groups of 32)") if blocks else f"{config.dtype}".replace("torch.", ""))
     weights = f"weights: {total / 2**20:.0f} MiB, the projections' {linear / 2**20:.0f} MiB as {source}"

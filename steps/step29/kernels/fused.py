@@ -255,6 +255,9 @@ class TritonLayerOps:
     # gemv.MAX_ROWS, but on the H200 it beat cuBLAS only at one row (docs/data/raw/h200_step28_gemv.txt): from 2 rows
     # on, cuBLAS's tensor-core GEMM reads the weight once for all rows as the kernel does, and faster.
     gemv_max_rows = 1
+    # step29: the same for a layer of 4-bit blocks (the GEMV then reads 0.3125x the bytes, and the path above it
+    # dequantises the layer first): its measured crossover on the H200 (docs/data/raw/h200_step29.txt)
+    gemv4_max_rows = 8
 
     def __init__(self):
         self.launches = 0
@@ -297,12 +300,13 @@ class TritonLayerOps:
         """step28: model.py's TorchLayerOps.linear. On CUDA with at most gemv_max_rows rows: one GEMV kernel with
         the norm in its prologue and the activation or the add in its epilogue. Otherwise the norm kernel, cuBLAS
         (on CUDA the residual added by cuBLAS itself, addmm: no kernel of its own) and the SiLU * up kernel."""
-        if x.device.type in self.gemv_devices and x.shape[0] <= self.gemv_max_rows:
+        blocks = isinstance(weight, Q4Weight)
+        if x.device.type in self.gemv_devices and x.shape[0] <= (self.gemv4_max_rows if blocks else self.gemv_max_rows):
             self.launches += 1
-            if isinstance(weight, Q4Weight):  # step29: 4-bit blocks, dequantised in the kernel's registers
+            if blocks:  # step29: 4-bit blocks, dequantised in the kernel's registers
                 return gemv4(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
             return gemv(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
-        if isinstance(weight, Q4Weight):  # step29: more rows: the layer dequantised for this matmul, then cuBLAS
+        if blocks:  # step29: more rows: the layer dequantised for this matmul, then cuBLAS
             self.launches += 1
             weight = dequantize4(weight, x.dtype)
         if norm_weight is not None:

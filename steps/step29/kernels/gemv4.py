@@ -3,12 +3,20 @@
 At one row a projection's time is the bytes of its weight. A 4-bit block of 32 weights is 20 bytes (16 of nibbles,
 a float16 scale d and minimum m) where bfloat16 takes 64: 0.3125x. The kernel reads the blocks and never writes a
 dequantised weight anywhere: each program loads its rows' bytes, splits each byte into its two 4-bit values and
-computes d * q + m in float32, in registers, right before the multiply.
+applies the block's scale and minimum in float32, in registers, as it multiplies.
 
-The nibbles are used where they lie. Byte j of a block holds value j (low nibble) and value j + 16 (high nibble),
+The nibbles are used where they lie. Byte i of a block holds value i (low nibble) and value i + 16 (high nibble),
 so instead of reordering the weights, the kernel reads x twice, at the inputs the low and the high nibbles belong
-to: for byte b of a row (block g = b // 16, i = b % 16) the low nibble multiplies x[32 g + i] and the high one
-x[32 g + 16 + i]. x is small and stays in the cache.
+to: x[32 g + i] and x[32 g + 16 + i] for block g. x is small and stays in the cache. A trip takes BLOCK_G whole
+blocks of each of its rows: a [BLOCK_N, BLOCK_G, 16] tile of bytes, and the scales and minima as [BLOCK_N, BLOCK_G]
+(one load per block, not one per weight).
+
+Two things keep the instructions per weight few, so that the kernel stays bound by the bytes it reads:
+  - a block's share of the sum is sum_i (d q_i + m) x_i = d * sum_i q_i x_i + m * sum_i x_i: one multiply-add per
+    weight, and the block's sum of x (shared by every row of the weight) and two more per block;
+  - a 4-bit value becomes a float without the integer-to-float conversion instruction, which runs at a quarter of
+    the rate of a multiply-add: the value's bits under the exponent of 2^23 are the float 2^23 + q, exactly, and
+    one subtraction leaves q (_nibbles).
 
 Everything else is step28's kernel: one program per BLOCK_N output columns, every row of x (up to MAX_ROWS) at once,
 the RMSNorm folded (the weight times g * x summed with x's sum of squares, divided by the RMS at the end), SiLU * up
@@ -32,12 +40,24 @@ GROUP = 32
 
 if triton is not None:
     @triton.jit
+    def _nibbles(byte, HIGH: tl.constexpr, EXPONENT_TRICK: tl.constexpr):
+        """4-bit values as float32 without an integer-to-float conversion (a slow instruction): the value's bits
+        put under the exponent of 2^23 make the float 2^23 + q exactly, and subtracting 2^23 leaves q.
+        EXPONENT_TRICK=False converts instead (the benchmark's comparison)."""
+        q = (byte >> 4) if HIGH else (byte & 0x0F)
+        if EXPONENT_TRICK:
+            return (q.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        return q.to(tl.float32)
+
+    @triton.jit
     def _gemv4_kernel(x_ptr, packed_ptr, scale_ptr, min_ptr, out_ptr, res_ptr, nw_ptr, M, N, K, eps,
                       stride_xm, stride_pn, stride_sn, stride_om, stride_rm,
                       HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
-        """Program p: out[:, p * BLOCK_N : (p + 1) * BLOCK_N] for every row of x; BLOCK_B bytes (2 * BLOCK_B
-        inputs) of each weight row a trip."""
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False,
+                      EXPONENT_TRICK: tl.constexpr = True):
+        """Program p: out[:, p * BLOCK_N : (p + 1) * BLOCK_N] for every row of x; BLOCK_G blocks (32 inputs each)
+        of each weight row a trip, as a [BLOCK_N, BLOCK_G, 16] tile of bytes and [BLOCK_N, BLOCK_G] scales and
+        minima."""
         if PDL:
             gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -46,9 +66,11 @@ if triton is not None:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         dtype = out_ptr.dtype.element_ty
-        p_rows = packed_ptr + cols[:, None].to(tl.int64) * stride_pn
+        n_groups = K // GROUP
+        gs = tl.arange(0, BLOCK_G)
+        bs = tl.arange(0, GROUP // 2)
+        p_rows = packed_ptr + cols[:, None, None].to(tl.int64) * stride_pn + bs[None, None, :]
         s_rows = cols[:, None].to(tl.int64) * stride_sn
-        half = K // 2
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if SILU_MUL:
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -56,58 +78,57 @@ if triton is not None:
             up_soff = N * stride_sn
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         # the first trip's bytes, scales and minima asked for before the wait (they depend on no earlier kernel)
-        bs = tl.arange(0, BLOCK_B)
-        ok = col_ok[:, None] & (bs < half)[None, :]
-        group = bs // (GROUP // 2)
-        byte = tl.load(p_rows + bs[None, :], mask=ok, other=0)
-        d = tl.load(scale_ptr + s_rows + group[None, :], mask=ok, other=0.0)
-        mn = tl.load(min_ptr + s_rows + group[None, :], mask=ok, other=0.0)
+        g_ok = col_ok[:, None] & (gs < n_groups)[None, :]
+        byte = tl.load(p_rows + gs[None, :, None] * (GROUP // 2), mask=g_ok[:, :, None], other=0)
+        d = tl.load(scale_ptr + s_rows + gs[None, :], mask=g_ok, other=0.0)
+        mn = tl.load(min_ptr + s_rows + gs[None, :], mask=g_ok, other=0.0)
         if SILU_MUL:
-            ubyte = tl.load(p_rows + up_off + bs[None, :], mask=ok, other=0)
-            ud = tl.load(scale_ptr + up_soff + s_rows + group[None, :], mask=ok, other=0.0)
-            um = tl.load(min_ptr + up_soff + s_rows + group[None, :], mask=ok, other=0.0)
+            ubyte = tl.load(p_rows + up_off + gs[None, :, None] * (GROUP // 2), mask=g_ok[:, :, None], other=0)
+            ud = tl.load(scale_ptr + up_soff + s_rows + gs[None, :], mask=g_ok, other=0.0)
+            um = tl.load(min_ptr + up_soff + s_rows + gs[None, :], mask=g_ok, other=0.0)
         if PDL:  # x (and the residual) are the kernel before's outputs: wait for it once, here
             gdc_wait()
-        for b0 in range(0, half, BLOCK_B):
-            bs = b0 + tl.arange(0, BLOCK_B)  # byte positions in the row
-            b_ok = bs < half
-            group = bs // (GROUP // 2)
-            k_low = group * GROUP + bs % (GROUP // 2)  # the inputs of the low and the high nibbles
+        for g0 in range(0, n_groups, BLOCK_G):
+            groups = g0 + gs
+            in_row = groups < n_groups
+            # x's inputs of this trip: the low nibbles' (32 g + i) and the high ones' (32 g + 16 + i), [BLOCK_G, 16]
+            k_low = groups[:, None] * GROUP + bs[None, :]
             k_high = k_low + GROUP // 2
+            q_low, q_high = _nibbles(byte, False, EXPONENT_TRICK), _nibbles(byte, True, EXPONENT_TRICK)
             d32, mn32 = d.to(tl.float32), mn.to(tl.float32)
-            w_low = d32 * (byte & 0x0F).to(tl.float32) + mn32
-            w_high = d32 * (byte >> 4).to(tl.float32) + mn32
             if SILU_MUL:
+                u_low, u_high = _nibbles(ubyte, False, EXPONENT_TRICK), _nibbles(ubyte, True, EXPONENT_TRICK)
                 ud32, um32 = ud.to(tl.float32), um.to(tl.float32)
-                u_low = ud32 * (ubyte & 0x0F).to(tl.float32) + um32
-                u_high = ud32 * (ubyte >> 4).to(tl.float32) + um32
             # the next trip's blocks, asked for now (past the row: a mask of nothing, no bytes read)
-            nbs = bs + BLOCK_B
-            nok = col_ok[:, None] & (nbs < half)[None, :]
-            ngroup = nbs // (GROUP // 2)
-            byte = tl.load(p_rows + nbs[None, :], mask=nok, other=0)
-            d = tl.load(scale_ptr + s_rows + ngroup[None, :], mask=nok, other=0.0)
-            mn = tl.load(min_ptr + s_rows + ngroup[None, :], mask=nok, other=0.0)
+            n_ok = col_ok[:, None] & (groups + BLOCK_G < n_groups)[None, :]
+            byte = tl.load(p_rows + (groups + BLOCK_G)[None, :, None] * (GROUP // 2), mask=n_ok[:, :, None], other=0)
+            d = tl.load(scale_ptr + s_rows + (groups + BLOCK_G)[None, :], mask=n_ok, other=0.0)
+            mn = tl.load(min_ptr + s_rows + (groups + BLOCK_G)[None, :], mask=n_ok, other=0.0)
             if SILU_MUL:
-                ubyte = tl.load(p_rows + up_off + nbs[None, :], mask=nok, other=0)
-                ud = tl.load(scale_ptr + up_soff + s_rows + ngroup[None, :], mask=nok, other=0.0)
-                um = tl.load(min_ptr + up_soff + s_rows + ngroup[None, :], mask=nok, other=0.0)
+                ubyte = tl.load(p_rows + up_off + (groups + BLOCK_G)[None, :, None] * (GROUP // 2),
+                                mask=n_ok[:, :, None], other=0)
+                ud = tl.load(scale_ptr + up_soff + s_rows + (groups + BLOCK_G)[None, :], mask=n_ok, other=0.0)
+                um = tl.load(min_ptr + up_soff + s_rows + (groups + BLOCK_G)[None, :], mask=n_ok, other=0.0)
             if HAS_NORM:
-                g_low = tl.load(nw_ptr + k_low, mask=b_ok, other=0.0).to(tl.float32)
-                g_high = tl.load(nw_ptr + k_high, mask=b_ok, other=0.0).to(tl.float32)
+                g_low = tl.load(nw_ptr + k_low, mask=in_row[:, None], other=0.0).to(tl.float32)
+                g_high = tl.load(nw_ptr + k_high, mask=in_row[:, None], other=0.0).to(tl.float32)
             for m in tl.static_range(BLOCK_M):
-                x_ok = b_ok & (bs * 0 + m < M)
+                x_ok = in_row[:, None] & (k_low * 0 + m < M)
                 x_low = tl.load(x_ptr + m * stride_xm + k_low, mask=x_ok, other=0.0).to(tl.float32)
                 x_high = tl.load(x_ptr + m * stride_xm + k_high, mask=x_ok, other=0.0).to(tl.float32)
                 here = rows == m
                 if HAS_NORM:
-                    sq = tl.where(here, sq + tl.sum(x_low * x_low + x_high * x_high, axis=0), sq)
+                    sq = tl.where(here, sq + tl.sum(tl.sum(x_low * x_low + x_high * x_high, axis=1), axis=0), sq)
                     x_low = g_low * x_low
                     x_high = g_high * x_high
-                part = tl.sum(w_low * x_low[None, :] + w_high * x_high[None, :], axis=1)
+                # a block's part of the sum: sum_i (d q_i + m) x_i = d * sum_i q_i x_i + m * sum_i x_i
+                x_sum = tl.sum(x_low + x_high, axis=1)  # [BLOCK_G]
+                dot = tl.sum(q_low * x_low[None, :, :] + q_high * x_high[None, :, :], axis=2)  # [BLOCK_N, BLOCK_G]
+                part = tl.sum(d32 * dot + mn32 * x_sum[None, :], axis=1)
                 acc = tl.where(here[:, None], acc + part[None, :], acc)
                 if SILU_MUL:
-                    part_up = tl.sum(u_low * x_low[None, :] + u_high * x_high[None, :], axis=1)
+                    dot_up = tl.sum(u_low * x_low[None, :, :] + u_high * x_high[None, :, :], axis=2)
+                    part_up = tl.sum(ud32 * dot_up + um32 * x_sum[None, :], axis=1)
                     acc_up = tl.where(here[:, None], acc_up + part_up[None, :], acc_up)
         if HAS_NORM:
             rstd = (1.0 / tl.sqrt(sq / K + eps))[:, None]
@@ -127,10 +148,10 @@ if triton is not None:
 
 
 def choose_config4(m: int, n: int, k: int, silu_mul: bool = False) -> dict:
-    """A first tile, to be swept on the GPU: narrow column tiles as step28's, 512 bytes (1,024 inputs) a trip."""
+    """A first tile, to be swept on the GPU: narrow column tiles as step28's, 32 blocks (1,024 inputs) a trip."""
     bm = triton.next_power_of_2(max(m, 1))
-    bb = min(512, triton.next_power_of_2(max(k // 2, 16)))
-    return {"BLOCK_M": bm, "BLOCK_N": 4 if silu_mul or n >= 16384 else 8, "BLOCK_B": bb, "num_warps": 4}
+    bg = min(32, triton.next_power_of_2(max(k // GROUP, 1)))
+    return {"BLOCK_M": bm, "BLOCK_N": 4 if silu_mul or n >= 16384 else 8, "BLOCK_G": bg, "num_warps": 4}
 
 
 def gemv4(x: torch.Tensor, weight, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
