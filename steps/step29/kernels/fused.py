@@ -255,9 +255,10 @@ class TritonLayerOps:
     # gemv.MAX_ROWS, but on the H200 it beat cuBLAS only at one row (docs/data/raw/h200_step28_gemv.txt): from 2 rows
     # on, cuBLAS's tensor-core GEMM reads the weight once for all rows as the kernel does, and faster.
     gemv_max_rows = 1
-    # step29: the same for a layer of 4-bit blocks (the GEMV then reads 0.3125x the bytes, and the path above it
-    # dequantises the layer first): its measured crossover on the H200 (docs/data/raw/h200_step29.txt)
-    gemv4_max_rows = 8
+    # step29: the same for a layer of 4-bit blocks, where the path above it dequantises the layer first. On the H200
+    # (docs/data/raw/h200_step29_gemv.txt) the 4-bit GEMV beat dequantise + cuBLAS on every projection at 1, 2 and 4
+    # rows and lost on every one at 8: its time grows with the rows, the other path's does not.
+    gemv4_max_rows = 4
 
     def __init__(self):
         self.launches = 0

@@ -39,6 +39,8 @@ GROUP = 32
 
 
 if triton is not None:
+    _GROUP = tl.constexpr(GROUP)  # the kernels' name for it (a global a kernel reads must be a constexpr)
+
     @triton.jit
     def _nibbles(byte, HIGH: tl.constexpr, EXPONENT_TRICK: tl.constexpr):
         """4-bit values as float32 without an integer-to-float conversion (a slow instruction): the value's bits
@@ -66,9 +68,9 @@ if triton is not None:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         dtype = out_ptr.dtype.element_ty
-        n_groups = K // GROUP
+        n_groups = K // _GROUP
         gs = tl.arange(0, BLOCK_G)
-        bs = tl.arange(0, GROUP // 2)
+        bs = tl.arange(0, _GROUP // 2)
         p_rows = packed_ptr + cols[:, None, None].to(tl.int64) * stride_pn + bs[None, None, :]
         s_rows = cols[:, None].to(tl.int64) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -79,11 +81,11 @@ if triton is not None:
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         # the first trip's bytes, scales and minima asked for before the wait (they depend on no earlier kernel)
         g_ok = col_ok[:, None] & (gs < n_groups)[None, :]
-        byte = tl.load(p_rows + gs[None, :, None] * (GROUP // 2), mask=g_ok[:, :, None], other=0)
+        byte = tl.load(p_rows + gs[None, :, None] * (_GROUP // 2), mask=g_ok[:, :, None], other=0)
         d = tl.load(scale_ptr + s_rows + gs[None, :], mask=g_ok, other=0.0)
         mn = tl.load(min_ptr + s_rows + gs[None, :], mask=g_ok, other=0.0)
         if SILU_MUL:
-            ubyte = tl.load(p_rows + up_off + gs[None, :, None] * (GROUP // 2), mask=g_ok[:, :, None], other=0)
+            ubyte = tl.load(p_rows + up_off + gs[None, :, None] * (_GROUP // 2), mask=g_ok[:, :, None], other=0)
             ud = tl.load(scale_ptr + up_soff + s_rows + gs[None, :], mask=g_ok, other=0.0)
             um = tl.load(min_ptr + up_soff + s_rows + gs[None, :], mask=g_ok, other=0.0)
         if PDL:  # x (and the residual) are the kernel before's outputs: wait for it once, here
@@ -92,8 +94,8 @@ if triton is not None:
             groups = g0 + gs
             in_row = groups < n_groups
             # x's inputs of this trip: the low nibbles' (32 g + i) and the high ones' (32 g + 16 + i), [BLOCK_G, 16]
-            k_low = groups[:, None] * GROUP + bs[None, :]
-            k_high = k_low + GROUP // 2
+            k_low = groups[:, None] * _GROUP + bs[None, :]
+            k_high = k_low + _GROUP // 2
             q_low, q_high = _nibbles(byte, False, EXPONENT_TRICK), _nibbles(byte, True, EXPONENT_TRICK)
             d32, mn32 = d.to(tl.float32), mn.to(tl.float32)
             if SILU_MUL:
@@ -101,11 +103,11 @@ if triton is not None:
                 ud32, um32 = ud.to(tl.float32), um.to(tl.float32)
             # the next trip's blocks, asked for now (past the row: a mask of nothing, no bytes read)
             n_ok = col_ok[:, None] & (groups + BLOCK_G < n_groups)[None, :]
-            byte = tl.load(p_rows + (groups + BLOCK_G)[None, :, None] * (GROUP // 2), mask=n_ok[:, :, None], other=0)
+            byte = tl.load(p_rows + (groups + BLOCK_G)[None, :, None] * (_GROUP // 2), mask=n_ok[:, :, None], other=0)
             d = tl.load(scale_ptr + s_rows + (groups + BLOCK_G)[None, :], mask=n_ok, other=0.0)
             mn = tl.load(min_ptr + s_rows + (groups + BLOCK_G)[None, :], mask=n_ok, other=0.0)
             if SILU_MUL:
-                ubyte = tl.load(p_rows + up_off + (groups + BLOCK_G)[None, :, None] * (GROUP // 2),
+                ubyte = tl.load(p_rows + up_off + (groups + BLOCK_G)[None, :, None] * (_GROUP // 2),
                                 mask=n_ok[:, :, None], other=0)
                 ud = tl.load(scale_ptr + up_soff + s_rows + (groups + BLOCK_G)[None, :], mask=n_ok, other=0.0)
                 um = tl.load(min_ptr + up_soff + s_rows + (groups + BLOCK_G)[None, :], mask=n_ok, other=0.0)
@@ -148,10 +150,14 @@ if triton is not None:
 
 
 def choose_config4(m: int, n: int, k: int, silu_mul: bool = False) -> dict:
-    """A first tile, to be swept on the GPU: narrow column tiles as step28's, 32 blocks (1,024 inputs) a trip."""
+    """The tile: at one row, the fastest of a sweep on the H200 at Qwen3-0.6B's shapes (docs/data/bench_step29.py,
+    h200_step29_gemv.txt): 16 columns a program for the wide projections (qkv, gate_up, lm_head), 4 for the narrow
+    ones (o, down, 1,024 columns: 256 programs), whole rows of 1,024 inputs a trip, fewer for gate_up (two weights
+    a program) and lm_head."""
     bm = triton.next_power_of_2(max(m, 1))
-    bg = min(32, triton.next_power_of_2(max(k // GROUP, 1)))
-    return {"BLOCK_M": bm, "BLOCK_N": 4 if silu_mul or n >= 16384 else 8, "BLOCK_G": bg, "num_warps": 4}
+    bg = 8 if n >= 16384 else 16 if silu_mul else 32
+    bg = min(bg, triton.next_power_of_2(max(k // GROUP, 1)))
+    return {"BLOCK_M": bm, "BLOCK_N": 16 if n >= 3072 else 4, "BLOCK_G": bg, "num_warps": 4}
 
 
 def gemv4(x: torch.Tensor, weight, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -197,15 +203,15 @@ if triton is not None:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         bs = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
         ok = (rows < N)[:, None] & (bs < K // 2)[None, :]
-        group = bs // (GROUP // 2)
-        k_low = group * GROUP + bs % (GROUP // 2)
+        group = bs // (_GROUP // 2)
+        k_low = group * _GROUP + bs % (_GROUP // 2)
         r64 = rows[:, None].to(tl.int64)
         byte = tl.load(packed_ptr + r64 * stride_pn + bs[None, :], mask=ok, other=0)
         d = tl.load(scale_ptr + r64 * stride_sn + group[None, :], mask=ok, other=0.0).to(tl.float32)
         mn = tl.load(min_ptr + r64 * stride_sn + group[None, :], mask=ok, other=0.0).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
         tl.store(out_ptr + r64 * stride_on + k_low[None, :], (d * (byte & 0x0F).to(tl.float32) + mn).to(dtype), mask=ok)
-        tl.store(out_ptr + r64 * stride_on + (k_low + GROUP // 2)[None, :], (d * (byte >> 4).to(tl.float32) + mn).to(dtype),
+        tl.store(out_ptr + r64 * stride_on + (k_low + _GROUP // 2)[None, :], (d * (byte >> 4).to(tl.float32) + mn).to(dtype),
                  mask=ok)
 
 
