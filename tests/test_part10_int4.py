@@ -86,7 +86,8 @@ def test_gemv4_equals_dequantise_then_matmul(m, n, k, norm, silu, res):
     nw = torch.rand(k, generator=gen) + 0.5 if norm else None
     r = torch.randn(m, n, generator=gen) if res else None
     want = reference(x, w.dequantize(), nw, 1e-6, r, silu)
-    for config in (None, {"BLOCK_M": 8, "BLOCK_N": 4, "BLOCK_G": 1, "num_warps": 4}):
+    for config in (None, {"BLOCK_M": 8, "BLOCK_N": 4, "BLOCK_G": 1, "num_warps": 4},
+                   {"BLOCK_M": 8, "BLOCK_N": 4, "BLOCK_G": 2, "num_warps": 4, "EXPONENT_TRICK": True}):
         torch.testing.assert_close(g4.gemv4(x, w, nw, 1e-6, r, silu, config), want, atol=1e-5, rtol=1e-5)
 
 

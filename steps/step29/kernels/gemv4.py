@@ -11,12 +11,13 @@ to: x[32 g + i] and x[32 g + 16 + i] for block g. x is small and stays in the ca
 blocks of each of its rows: a [BLOCK_N, BLOCK_G, 16] tile of bytes, and the scales and minima as [BLOCK_N, BLOCK_G]
 (one load per block, not one per weight).
 
-Two things keep the instructions per weight few, so that the kernel stays bound by the bytes it reads:
-  - a block's share of the sum is sum_i (d q_i + m) x_i = d * sum_i q_i x_i + m * sum_i x_i: one multiply-add per
-    weight, and the block's sum of x (shared by every row of the weight) and two more per block;
-  - a 4-bit value becomes a float without the integer-to-float conversion instruction, which runs at a quarter of
-    the rate of a multiply-add: the value's bits under the exponent of 2^23 are the float 2^23 + q, exactly, and
-    one subtraction leaves q (_nibbles).
+A block's share of the sum is sum_i (d q_i + m) x_i = d * sum_i q_i x_i + m * sum_i x_i: one multiply-add per
+weight, and per block its sum of x (shared by every row of the weight) and two more. Instructions matter here as
+bytes do: a byte holds 3.2 times as many 4-bit weights as bfloat16 ones, so at the memory's pace a multiprocessor
+must unpack, convert and multiply 3.2 times as many weights per clock (docs/data/sass_step29.py counts the loop's
+instructions per weight). Converting a 4-bit value to a float is one instruction on Hopper; a bit trick
+that avoids it (EXPONENT_TRICK: the value's bits under the exponent of 2^23 make the float 2^23 + q, and one
+subtraction leaves q) measured no faster there, and is kept only for that comparison.
 
 Everything else is step28's kernel: one program per BLOCK_N output columns, every row of x (up to MAX_ROWS) at once,
 the RMSNorm folded (the weight times g * x summed with x's sum of squares, divided by the RMS at the end), SiLU * up
@@ -43,9 +44,8 @@ if triton is not None:
 
     @triton.jit
     def _nibbles(byte, HIGH: tl.constexpr, EXPONENT_TRICK: tl.constexpr):
-        """4-bit values as float32 without an integer-to-float conversion (a slow instruction): the value's bits
-        put under the exponent of 2^23 make the float 2^23 + q exactly, and subtracting 2^23 leaves q.
-        EXPONENT_TRICK=False converts instead (the benchmark's comparison)."""
+        """A byte's low or high 4-bit values as float32: converted, or (EXPONENT_TRICK, the benchmark's comparison)
+        put under the exponent of 2^23, which makes the float 2^23 + q exactly, then 2^23 subtracted."""
         q = (byte >> 4) if HIGH else (byte & 0x0F)
         if EXPONENT_TRICK:
             return (q.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
@@ -56,7 +56,7 @@ if triton is not None:
                       stride_xm, stride_pn, stride_sn, stride_om, stride_rm,
                       HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False,
-                      EXPONENT_TRICK: tl.constexpr = True):
+                      EXPONENT_TRICK: tl.constexpr = False):
         """Program p: out[:, p * BLOCK_N : (p + 1) * BLOCK_N] for every row of x; BLOCK_G blocks (32 inputs each)
         of each weight row a trip, as a [BLOCK_N, BLOCK_G, 16] tile of bytes and [BLOCK_N, BLOCK_G] scales and
         minima."""
