@@ -68,12 +68,31 @@ def loop_opcodes(kernel) -> Counter:
     return Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0].rstrip(";") for ins in body)
 
 
+SMS, CLOCK_GHZ, LANES = 132, 1.98, 128  # the H200's multiprocessors, their boost clock, the lanes each issues a clock
+
+
+def limits():
+    """What the memory delivers per multiprocessor per clock at the copy bandwidth measured on the H200
+    (h200_step29_gemv.json), in weights, and so how many instructions a weight may take before issuing them is slower
+    than reading it."""
+    measured = Path(__file__).parent / "raw" / "h200_step29_gemv.json"
+    gbs = json.loads(measured.read_text())["copy_gb_per_s"]
+    per_clock = gbs / SMS / CLOCK_GHZ  # bytes per multiprocessor per clock
+    for name, weights_per_byte in (("4-bit blocks", 32 / 20), ("bf16", 0.5)):
+        w = per_clock * weights_per_byte
+        print(f"{name}: at the copy bandwidth ({gbs:.0f} GB/s, {SMS} multiprocessors, {CLOCK_GHZ} GHz) a multiprocessor "
+              f"receives {per_clock:.1f} bytes = {w:.1f} weights per clock; at {LANES} lanes a clock, "
+              f"{LANES / w:.1f} instructions per weight")
+    print(f"4-bit blocks / bf16 bytes: {20 / 64:.4f}")
+
+
 def main():
     from steps.step28.kernels import gemv as g16
     from steps.step29.kernels import gemv4 as g4
 
     print(f"Triton {triton.__version__}, compiled for sm_90 (H200); loop instructions per weight a thread handles, "
           f"at one row, with the tile each kernel chooses")
+    limits()
     rows = []
     for name, n_rows, k, flags in SHAPES:
         silu = flags.get("SILU_MUL", False)
