@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from helpers import step_module
+from registry import introducing
 
-STEP = "step29"
+STEP = introducing("int4_weights")
 
 
 def quant():
