@@ -470,6 +470,30 @@ MUTATIONS = [
         "            if heads is not None:\n",
         "            if heads is not None and False:\n",
         ("tests/test_part10_int4.py::test_embedded_gguf_dequantises_to_the_float_checkpoint",)),
+    Mutation(
+        "step30-fp8-k-scale-not-applied", "step30's mixed attention kernel scores an fp8 cache without its k_scale",
+        "steps/step30/kernels/attention.py",
+        "        scale * LOG2E * (k_scale if fp8 else 1.0),\n",
+        "        scale * LOG2E,\n",
+        ("tests/test_part10_fp8.py::test_mixed_kernel_fp8_equals_dequantised_reference[16-4-4-64]",)),
+    Mutation(
+        "step30-fp8-v-scale-not-applied", "step30's flash decoding leaves an fp8 cache's v_scale off its output",
+        "steps/step30/kernels/decode.py",
+        "            acc = acc * out_scale\n",
+        "            acc = acc\n",
+        ("tests/test_part10_fp8.py::test_flash_decode_fp8_equals_dequantised_reference[16-4-4-64-1-False]",)),
+    Mutation(
+        "step30-fp8-no-conversion", "step30's flash decoding multiplies the fp8 rows without converting them",
+        "steps/step30/kernels/decode.py",
+        "            k, v = k.to(q.dtype), v.to(q.dtype)\n",
+        "            k, v = k, v\n",
+        ("tests/test_part10_fp8.py::test_flash_decode_fp8_equals_dequantised_reference[16-4-4-64-1-False]",)),
+    Mutation(
+        "step30-fp8-write-without-scale", "step30's fused write stores K in an fp8 cache without dividing by k_scale",
+        "steps/step30/kernels/fused.py",
+        "                out1 = _to_fp8_range(out1, k_scale)\n",
+        "                out1 = _to_fp8_range(out1, 1.0)\n",
+        ("tests/test_part10_fp8.py::test_the_fused_write_stores_what_the_torch_path_stores",)),
     # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a placeholder's input id (0) instead "
