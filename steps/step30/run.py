@@ -11,6 +11,7 @@ in registers (kernels/gemv4.py); quantization="int4" rounds a float checkpoint's
 The outputs of the embedded model are step28's: the same weights. The lesson compares the two and their weights'
 bytes."""
 import sys
+import textwrap
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `shared` importable
@@ -51,10 +52,12 @@ def show_lesson(llm, args) -> None:
     same = len(a.token_ids) if first is None else first
     drift = [abs(a.logprobs[i][a.token_ids[i]] - b.logprobs[i][b.token_ids[i]]) for i in range(same)]
     print(f"\n{args.lesson_tokens} greedy tokens, KV cache {args.kv_cache_dtype} against auto: "
-          + (f"equal for all {same}" if first is None else f"equal for the first {same}, then they part")
-          + (f"; mean |logprob difference| of the chosen tokens {sum(drift) / len(drift):.4f} (largest "
-             f"{max(drift):.4f})" if drift else ""))
-    print(f"  auto: {a.text!r}\n  {args.kv_cache_dtype}: {b.text!r}")
+          + (f"equal for all {same}" if first is None else f"equal for the first {same}, then they part"))
+    if drift:
+        print(f"mean |logprob difference| of the chosen tokens {sum(drift) / len(drift):.4f} (largest "
+              f"{max(drift):.4f})")
+    for name, out in (("auto", a), (args.kv_cache_dtype, b)):
+        print(textwrap.fill(repr(out.text), width=100, initial_indent=f"  {name}: ", subsequent_indent="    "))
     c = llm.model.config
     rows = [[name, str(kv_bytes_per_token(c, llm.dtype, name))] for name in ("auto", "int8", "fp8")]
     print(format_table(["KV cache", "bytes per token (K and V, every layer)"], rows))
