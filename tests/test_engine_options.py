@@ -16,7 +16,7 @@ BAD = {
     "max_kv_tokens": (-5, "max_kv_tokens must be (None or )?an integer >= 1, got -5"),
     "block_size": (0, r"block_size must be an integer in \[1, max_kv_tokens=\d+\], got 0"),
     "enable_prefix_caching": ("yes", "enable_prefix_caching must be True or False, got 'yes'"),
-    "kv_cache_dtype": ("fp8", "kv_cache_dtype must be one of 'auto', 'int8', got 'fp8'"),  # int8_kv (step20 on)
+    "kv_cache_dtype": ("fp4", "kv_cache_dtype must be one of 'auto', 'int8'(, 'fp8', 'fp8_e4m3')?, got 'fp4'"),  # step20 on
     "enforce_eager": (1, "enforce_eager must be True or False, got 1"),  # cuda_graphs (step21 on)
     "tensor_parallel_size": (0, "tensor_parallel_size must be a positive int, got 0"),  # tensor_parallel (step22 on)
     "async_scheduling": ("yes", "async_scheduling must be True, False or None, got 'yes'"),  # step25 on

@@ -246,3 +246,64 @@ def test_fp8_follows_auto_on_the_real_model():
           f"(max {max(drifts):.3f})")
     assert agreeing >= len(QUESTIONS) // 2, agreeing
     assert 0 < mean <= MEAN_DRIFT_BOUND, mean
+
+
+# ---- on the GPU: compiled, bf16, real model shapes --------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_fp8_kernels_and_write_in_bf16_at_qwen3s_shape():
+    """Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128), bf16: the compiled mixed kernel and
+    flash decoding (one launch, PDL where supported) on an fp8 cache against the reference on the dequantised cache,
+    and the compiled fused write storing torch's bytes."""
+    kern, decode, fused, mod = (module(n) for n in ("kernels.attention", "kernels.decode", "kernels.fused", "model"))
+    pdl = module("kernels.gemv").pdl_supported(torch.device("cuda"))
+    q, k, v, tables, cu, lens = make_case(QUERY_LENS, CACHED, 16, 16, 8, 128, torch.bfloat16, device="cuda")
+    k8, v8 = quantized(k, v)
+    expected = kern.attention_reference(q, k8, v8, tables, cu, lens, 128 ** -0.5, K_SCALE, V_SCALE)
+    got = kern.mixed_attention(q, k8, v8, tables, cu, lens, 128 ** -0.5, max(QUERY_LENS), k_scale=K_SCALE,
+                               v_scale=V_SCALE)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    case = test_part6_decode.make_case(16, 16, 8, 128, torch.bfloat16)
+    case = {name: t.cuda() if isinstance(t, torch.Tensor) else t for name, t in case.items()}
+    k8, v8 = quantized(case["k_cache"], case["v_cache"])
+    expected = decode.decode_reference(case["q"], k8, v8, case["block_tables"], case["seq_lens"], case["scale"],
+                                       K_SCALE, V_SCALE)
+    counters = decode.decode_counters(case["q"].shape[0], 8, "cuda")
+    got = decode.flash_decode(case["q"], k8, v8, case["block_tables"], case["seq_lens"], case["scale"], 4,
+                              k_scale=K_SCALE, v_scale=V_SCALE, counters=counters, pdl=pdl)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    qkv = torch.randn(9, (16 + 16) * 128, device="cuda", dtype=torch.bfloat16) * 3
+    cos, sin = mod.rope_cos_sin(torch.arange(9, device="cuda"), 128, 1e6, torch.bfloat16)
+    weights = (torch.rand(128, device="cuda", dtype=torch.bfloat16) + 0.5,) * 2
+    slots = torch.arange(9, device="cuda") * 3
+    stored = []
+    for ops in (mod.TorchLayerOps(), fused.TritonLayerOps()):
+        caches = [torch.zeros(4, 16, 8, 128, device="cuda", dtype=FP8) for _ in range(2)]
+        ops.qk_norm_rope_write(qkv, cos, sin, *weights, 1e-6, 16, 8, 128, *caches, K_SCALE, V_SCALE, slots)
+        stored.append([c.view(torch.uint8) for c in caches])
+    assert torch.equal(stored[0][0], stored[1][0]) and torch.equal(stored[0][1], stored[1][1])
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_fp8_engine_with_graphs_follows_the_torch_path():
+    """random:qwen3-0.6b with an fp8 cache, CUDA graphs: the Triton path's tokens follow the torch path's (the same
+    cache bytes, attention summed in another order) up to bf16 near-ties, and decode steps replayed graphs."""
+    from helpers import BF16_LOGPROB_MAX_ATOL, compare_completions
+
+    prompts = [[(7 * i + 13 * j) % 5000 + 1 for j in range(40 + 9 * i)] for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = load_engine(FP8_STEP).LLM("random:qwen3-0.6b", device="cuda", dtype="bfloat16", max_kv_tokens=16384,
+                                        gpu_memory_utilization=0.3, kv_cache_dtype="fp8", attention_backend=backend)
+        assert "KV dtype float8_e4m3fn" in llm.backend
+        outs[backend] = [llm.generate([p], sp)[0] for p in prompts]
+        if backend == "triton":
+            assert llm.stats["graph_replays"] > 0
+        llm.shutdown()
+    for i, (a, b) in enumerate(zip(outs["triton"], outs["torch"])):
+        compare_completions(a.outputs[0], b.outputs[0], BF16_LOGPROB_MAX_ATOL, exact=False, label=f"request {i}")

@@ -3,7 +3,7 @@ e4m3 (one byte, 3 bits of mantissa) with one scale per layer for K and one for V
 writes them, and the attention kernels convert each tile to the model's dtype in registers (on a CPU the torch path
 dequantises after the gather). The lesson runs one greedy question (--lesson-tokens tokens) through this step with
 an fp8 cache and with the model's dtype ("auto"), and shows where the answers part, how far their logprobs drift, and what a token of K and V
-takes in each cache (and in step20's int8 one).
+takes in each cache (and in step20's int8 one); then auto's runs beside step29's, equal token for token.
 
 step29's demo, below, for reference: 4-bit weights, the checkpoint as shipped. The embedded model's projections stay the GGUF's Q4_1 blocks
 (quant.py): on a CPU a torch path dequantises them for each matmul, on CUDA a GEMV reads the blocks and dequantises
@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 
 
 from shared import SamplingParams
-from shared.anatomy import anatomy_arg_parser, compared_options, demo_options
+from shared.anatomy import anatomy_arg_parser, before_after, compared_options, demo_options
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
@@ -61,6 +61,8 @@ def show_lesson(llm, args) -> None:
     c = llm.model.config
     rows = [[name, str(kv_bytes_per_token(c, llm.dtype, name))] for name in ("auto", "int8", "fp8")]
     print(format_table(["KV cache", "bytes per token (K and V, every layer)"], rows))
+    # "auto" is step29's cache: the same tokens as step29 (fp8's differ, so it is not the one compared there)
+    before_after("step29", "step30", auto, args)
     auto.shutdown()
 
 

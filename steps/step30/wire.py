@@ -34,7 +34,7 @@ PROTOCOL_VERSION = 2  # step27: a Delta carries the cumulative logprob after eac
 
 # The values the core's engine takes for kv_cache_dtype (model.py's KV_CACHE_DTYPES, which checks them): a front
 # end's command line offers these without importing the model.
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # step30: fp8
 
 
 # ---- front end -> core ----------------------------------------------------------------------------------------
