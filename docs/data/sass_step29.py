@@ -30,20 +30,19 @@ from triton.compiler import ASTSource  # noqa: E402
 SHAPES = [("qkv", 4096, 1024, dict(HAS_NORM=True)), ("o", 1024, 2048, dict(HAS_RESIDUAL=True)),
           ("gate_up", 3072, 1024, dict(HAS_NORM=True, SILU_MUL=True)), ("down", 1024, 3072, dict(HAS_RESIDUAL=True)),
           ("lm_head", 151936, 1024, dict(HAS_NORM=True))]
-POINTERS = ["x_ptr", "w_ptr", "packed_ptr", "scale_ptr", "min_ptr", "out_ptr", "res_ptr", "nw_ptr"]
 TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*fp16", "min_ptr": "*fp16",
          "out_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "eps": "fp32"}
 
 
-def compile_sm90(fn, consts: dict, num_warps: int):
+def compile_sm90(fn, consts: dict, num_warps: int, **options):
     """fn compiled for sm_90 with these constexprs; pointers and strides marked 16-aligned, as the launch finds them."""
     names = fn.arg_names
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     signature = {a: ("constexpr" if a in consts else TYPES.get(a, "i32")) for a in names}
-    aligned = [a for a in names if a in POINTERS or a.startswith("stride") or a == "K"]
+    aligned = [a for a in names if a.endswith("_ptr") or a.startswith("stride") or a == "K"]
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})
 
 
 def loop_opcodes(kernel) -> Counter:
