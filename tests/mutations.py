@@ -494,6 +494,12 @@ MUTATIONS = [
         "                out1 = _to_fp8_range(out1, k_scale)\n",
         "                out1 = _to_fp8_range(out1, 1.0)\n",
         ("tests/test_part10_fp8.py::test_the_fused_write_stores_what_the_torch_path_stores",)),
+    Mutation(
+        "step30-fp8-gemv-no-row-scale", "step30's GEMV leaves an fp8 weight's row scales off its outputs",
+        "steps/step30/kernels/gemv.py",
+        "            acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]\n",
+        "            acc = acc\n",
+        ("tests/test_part10_fp8.py::test_fp8_gemv_equals_dequantise_then_matmul[1-48-64-False-False-False]",)),
     # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a placeholder's input id (0) instead "

@@ -207,6 +207,62 @@ def test_the_torch_and_triton_backends_agree_on_an_fp8_cache():
     assert outs["torch"] == outs["triton"]
 
 
+# ---- fp8 weights ------------------------------------------------------------------------------------------------
+def test_fp8_weights_round_per_row():
+    """quantize_fp8_weight: per output row, scale = max|w| / 448, the row's largest weight stored as +-448, every
+    weight within 1/16 of its value down to 2^-6 of the row's largest, a row of zeros kept as zeros (scale 1)."""
+    quant = module("quant")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 96, generator=gen) * torch.logspace(-3, 1, 24)[:, None]
+    w[5] = 0.0
+    f = quant.quantize_fp8_weight(w)
+    assert f.data.dtype == FP8 and f.scale.shape == (24,) and f.nbytes == 24 * 96 + 24 * 4
+    assert f.scale[5] == 1 and (f.dequantize()[5] == 0).all()
+    assert torch.equal(f.data.float().abs().amax(1)[f.scale != 1], torch.full((23,), 448.0))
+    back, big = f.dequantize(), w.abs() >= w.abs().amax(1, keepdim=True) * 2 ** -6
+    assert ((back - w).abs()[big] <= w.abs()[big] / 16).all()
+    stacked = quant.cat_rows([f, quant.quantize_fp8_weight(w[:3])])
+    assert torch.equal(stacked.dequantize(), torch.cat([back, f.dequantize()[:3]]))
+
+
+@pytest.mark.parametrize("m, n, k, norm, silu, res", [(1, 48, 64, False, False, False), (3, 40, 96, True, False, True),
+                                                      (2, 24, 160, True, True, False)])
+def test_fp8_gemv_equals_dequantise_then_matmul(m, n, k, norm, silu, res):
+    """step28's GEMV with an fp8 weight (weight_scale): the rows converted in registers and each output times its
+    row's scale, against the dequantised weight's product."""
+    quant, g = module("quant"), module("kernels.gemv")
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen)
+    w = quant.quantize_fp8_weight(torch.randn(2 * n if silu else n, k, generator=gen) / k ** 0.5)
+    nw = torch.rand(k, generator=gen) + 0.5 if norm else None
+    r = torch.randn(m, n, generator=gen) if res else None
+    want = g.gemv_reference(x, w.dequantize(), nw, 1e-6, r, silu)
+    torch.testing.assert_close(g.gemv(x, w.data, nw, 1e-6, r, silu, weight_scale=w.scale), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="weight_scale"):
+        g.gemv(x, w.data, nw, 1e-6, r, silu)
+
+
+def test_fp8_weights_on_load_stay_near_the_float_model():
+    """quantization="fp8" on a float checkpoint (the tiny random models): every projection is an Fp8Weight, the line
+    says so, and the first position's logprobs stay within 0.1 of the float model's on every token both top-20
+    lists hold (at least 10)."""
+    quant = module("quant")
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=20)
+    engine = load_engine(FP8_STEP)
+    for model in ("random:tiny-qwen3", "random:tiny-llama"):
+        floats = engine.LLM(model, device="cpu")
+        fp8 = engine.LLM(model, device="cpu", quantization="fp8")
+        assert sum(isinstance(w, quant.Fp8Weight) for w in fp8.model.w.values()) == 4 * fp8.model.config.num_layers
+        assert "as float8 e4m3 rounded on load, a scale per output row" in fp8.backend
+        for a, b in zip(floats.generate(["Hello there", "A B C D"], params), fp8.generate(["Hello there", "A B C D"],
+                                                                                          params)):
+            la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+            common = set(la) & set(lb)
+            assert len(common) >= 10 and max(abs(la[t] - lb[t]) for t in common) < 0.1, model
+    with pytest.raises(ValueError, match="fp4"):
+        engine.LLM("random:tiny-qwen3", device="cpu", quantization="fp4")
+
+
 # ---- the real model -----------------------------------------------------------------------------------------------
 AGREE_TOKENS = 16
 # Mean |logprob(fp8) - logprob(auto)| of the chosen tokens over the tokens where both agree: measured 0.055 on SmolLM2
@@ -285,6 +341,22 @@ def test_gpu_fp8_kernels_and_write_in_bf16_at_qwen3s_shape():
         ops.qk_norm_rope_write(qkv, cos, sin, *weights, 1e-6, 16, 8, 128, *caches, K_SCALE, V_SCALE, slots)
         stored.append([c.view(torch.uint8) for c in caches])
     assert torch.equal(stored[0][0], stored[1][0]) and torch.equal(stored[0][1], stored[1][1])
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_fp8_weights_scaled_mm_and_gemv_in_bf16():
+    """fp8 weights at Qwen3-0.6B's projection shapes, bf16: fp8_linear (x quantised per row, torch._scaled_mm)
+    against the dequantised weight's matmul, at 256 rows; the GEMV (one row) against the same."""
+    quant, fused, g = module("quant"), module("kernels.fused"), module("kernels.gemv")
+    assert fused.scaled_mm_supported(torch.device("cuda"))
+    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
+        w = quant.quantize_fp8_weight(torch.randn(n, k, device="cuda") / k ** 0.5)
+        for rows in (256, 1):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            want = (x.float() @ w.dequantize().T)
+            got = (fused.fp8_linear(x, w) if rows > 1 else g.gemv(x, w.data, weight_scale=w.scale)).float()
+            assert ((got - want).abs().max() / want.abs().max()).item() < 5e-2, (n, k, rows)
 
 
 @pytest.mark.gpu

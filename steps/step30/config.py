@@ -61,7 +61,7 @@ def choose_attention_backend(asked: str | None, device: torch.device) -> str:
     return asked
 
 
-QUANTIZATIONS = ("int4",)  # step29: quantization's names besides None (the checkpoint as shipped)
+QUANTIZATIONS = ("int4", "fp8")  # step29: quantization's names besides None (the checkpoint as shipped); step30: fp8
 
 
 def check_quantization(quantization):

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from .parallel import TensorParallel, is_vocab_parallel, shard, vocab_rows
-from .quant import Q4Weight, cat_rows, quantize_int4, read_gguf
+from .quant import Fp8Weight, Q4Weight, cat_rows, quantize_fp8_weight, quantize_int4, read_gguf
 
 
 SUPPORTED = ("llama", "qwen3")
@@ -153,8 +153,8 @@ class TorchLayerOps:
         RMS-normalised first; with silu_mul, weight is [gate; up] and the result silu(gate) * up [M, N / 2]; with
         residual [M, N], it is added to the result (the new residual stream)."""
         h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
-        if isinstance(weight, Q4Weight):  # step29: 4-bit blocks, dequantised for this matmul only (d * q + m)
-            weight = weight.dequantize(h.dtype)
+        if isinstance(weight, (Q4Weight, Fp8Weight)):  # step29: 4-bit blocks (step30: fp8), dequantised for this
+            weight = weight.dequantize(h.dtype)        # matmul only (d * q + m; data * scale)
         y = h @ weight.T
         if silu_mul:
             y = self.silu_mul(y)
@@ -270,11 +270,11 @@ def weight_bytes(weights: dict) -> tuple[int, int]:
     is the embedding)."""
     seen, linear, total = set(), 0, 0
     for name, w in weights.items():
-        key = id(w.packed) if isinstance(w, Q4Weight) else id(w)
+        key = id(w.packed) if isinstance(w, Q4Weight) else id(w.data) if isinstance(w, Fp8Weight) else id(w)
         if key in seen:
             continue
         seen.add(key)
-        n = w.nbytes if isinstance(w, Q4Weight) else w.numel() * w.element_size()
+        n = w.nbytes if isinstance(w, (Q4Weight, Fp8Weight)) else w.numel() * w.element_size()
         total += n
         linear += n if ("_proj." in name and name.startswith("model.layers.")) else 0
     return linear, total
@@ -341,6 +341,8 @@ class CausalLM:
         if quantization == "int4":
             weights = {name: quantize_int4(w) if is_linear(name) and not isinstance(w, Q4Weight) else w
                        for name, w in weights.items()}
+        elif quantization == "fp8":  # step30: e4m3 with a scale per output row
+            weights = {name: quantize_fp8_weight(w) if is_linear(name) else w for name, w in weights.items()}
         if "lm_head.weight" not in weights:  # tied: the output projection is the embedding matrix
             if not config.tie_word_embeddings:
                 raise ValueError(f"model: {model_dir} has no lm_head.weight and tie_word_embeddings is false")
@@ -427,7 +429,7 @@ def fuse_projections(weights: dict[str, torch.Tensor], config: ModelConfig) -> d
     In place, layer by layer: each layer's separate matrices are freed as soon as its stacked ones exist."""
     for layer in range(config.num_layers):
         a, m = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
-        stack = lambda ws: cat_rows(ws) if isinstance(ws[0], Q4Weight) else torch.cat(ws)  # noqa: E731 (step29)
+        stack = lambda ws: cat_rows(ws) if isinstance(ws[0], (Q4Weight, Fp8Weight)) else torch.cat(ws)  # noqa: E731
         weights[a + "qkv_proj.weight"] = stack([weights.pop(a + n + "_proj.weight") for n in "qkv"])
         weights[m + "gate_up_proj.weight"] = stack([weights.pop(m + "gate_proj.weight"),
                                                     weights.pop(m + "up_proj.weight")])

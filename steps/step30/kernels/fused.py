@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import Q4Weight
+from ..quant import Fp8Weight, Q4Weight
 from .gemv import gdc_launch_dependents, gdc_wait, gemv, pdl_supported
 from .gemv4 import dequantize4, gemv4
 
@@ -277,6 +277,25 @@ def quantize_write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
             KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads), num_warps=4)
 
 
+def scaled_mm_supported(device) -> bool:
+    """step30: torch._scaled_mm with a scale per row of each operand: CUDA of compute capability 8.9 or more."""
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """step30: x [M, K] @ weight.T for an Fp8Weight, M larger than the GEMV takes. On Hopper: x quantised to e4m3
+    with one scale per row (its max |x| / 448, computed now: dynamic, per token), then one fp8 matmul on the tensor
+    cores with both sets of scales applied to its fp32 sums (torch._scaled_mm). Elsewhere: the weight dequantised
+    to x's dtype, then a matmul."""
+    if not scaled_mm_supported(x.device):
+        return x @ weight.dequantize(x.dtype).T
+    x32 = x.float()
+    x_scale = (x32.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
+    x8 = (x32 / x_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(x8, weight.data.t(), scale_a=x_scale, scale_b=weight.scale[None, :], out_dtype=x.dtype)
+
+
 class TritonLayerOps:
     """The model's elementwise groups as the kernels above, one launch each; `launches` counts them."""
 
@@ -334,15 +353,25 @@ class TritonLayerOps:
         """step28: model.py's TorchLayerOps.linear. On CUDA with at most gemv_max_rows rows: one GEMV kernel with
         the norm in its prologue and the activation or the add in its epilogue. Otherwise the norm kernel, cuBLAS
         (on CUDA the residual added by cuBLAS itself, addmm: no kernel of its own) and the SiLU * up kernel."""
-        blocks = isinstance(weight, Q4Weight)
+        blocks, fp8 = isinstance(weight, Q4Weight), isinstance(weight, Fp8Weight)
         if x.device.type in self.gemv_devices and x.shape[0] <= (self.gemv4_max_rows if blocks else self.gemv_max_rows):
             self.launches += 1
             if blocks:  # step29: 4-bit blocks, dequantised in the kernel's registers
                 return gemv4(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
+            if fp8:  # step30: float8 rows converted in registers, each output times its row's scale
+                return gemv(x, weight.data, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device),
+                            weight_scale=weight.scale)
             return gemv(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
         if blocks:  # step29: more rows: the layer dequantised for this matmul, then cuBLAS
             self.launches += 1
             weight = dequantize4(weight, x.dtype)
+        if fp8:  # step30: more rows: x quantised per row and an fp8 matmul (Hopper), or the weight dequantised
+            if norm_weight is not None:
+                x = self.add_rms_norm(x, None, norm_weight, eps)[0]
+            y = fp8_linear(x, weight)
+            if silu_mul:
+                y = self.silu_mul(y)
+            return y + residual if residual is not None else y
         if norm_weight is not None:
             x = self.add_rms_norm(x, None, norm_weight, eps)[0]
         if residual is not None and not silu_mul:

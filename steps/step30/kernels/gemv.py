@@ -52,8 +52,10 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, M, N, K, eps,
                      stride_xm, stride_wn, stride_om, stride_rm,
                      HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-        """Program p: out[:, p * BLOCK_N : (p + 1) * BLOCK_N] for every row of x."""
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                     scale_ptr=None, W_SCALED: tl.constexpr = False):
+        """Program p: out[:, p * BLOCK_N : (p + 1) * BLOCK_N] for every row of x. step30, W_SCALED: the weight is
+        float8 with a scale per row (scale_ptr): converted like any tile, each output's sum times its row's scale."""
         if PDL:  # the next kernel may start now: its programs read their weights while this one finishes
             gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -99,6 +101,10 @@ if triton is not None:
                 acc = tl.where(here[:, None], acc + tl.sum(w32 * xm, axis=1)[None, :], acc)
                 if SILU_MUL:
                     acc_up = tl.where(here[:, None], acc_up + tl.sum(u32 * xm, axis=1)[None, :], acc_up)
+        if W_SCALED:  # step30: sum_k (w8 * s_n) x_k = s_n * sum_k w8 x_k, one multiply per output
+            acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+            if SILU_MUL:
+                acc_up = acc_up * tl.load(scale_ptr + N + cols, mask=col_ok, other=0.0)[None, :]
         if HAS_NORM:
             rstd = (1.0 / tl.sqrt(sq / K + eps))[:, None]
             acc = acc * rstd
@@ -142,8 +148,9 @@ def choose_config(m: int, n: int, k: int, silu_mul: bool = False) -> dict:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          residual: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None,
-         pdl: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K] -> x @ weight.T [M, N], one launch; with norm_weight, x is first
+         pdl: bool = False, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS), weight [N, K] -> x @ weight.T [M, N], one launch; step30: weight float8 e4m3 with
+    weight_scale [N] fp32, one per row (quant.py's Fp8Weight), meaning weight * weight_scale[:, None]; with norm_weight, x is first
     RMS-normalised with it (rms_norm(x, norm_weight, eps)); with silu_mul, weight is [gate; up] and the result is
     silu(x @ gate.T) * (x @ up.T) [M, N / 2]; with residual [M, N], it is added to the result. pdl (where
     pdl_supported): launched as a programmatic dependent of the kernel before it, so its weight reads start before
@@ -163,6 +170,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None
         raise ValueError(f"gemv: norm_weight {tuple(norm_weight.shape)} must be [{k}]")
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"gemv: residual {tuple(residual.shape)} must be [{m}, {n}], contiguous in its columns")
+    if (weight.dtype == torch.float8_e4m3fn) != (weight_scale is not None) or (
+            weight_scale is not None and (weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32)):
+        raise ValueError(f"gemv: a float8 weight needs weight_scale, float32 [{weight.shape[0]}] (and only it does)")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     cfg = dict(config or choose_config(m, n, k, silu_mul))
     grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
@@ -171,7 +181,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None
                        x.stride(0), weight.stride(0), out.stride(0),
                        residual.stride(0) if residual is not None else 0,
                        HAS_NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
-                       PDL=pdl, **cfg, **({"launch_pdl": True} if pdl else {}))
+                       PDL=pdl, **cfg, **({"launch_pdl": True} if pdl else {}),
+                       **({"scale_ptr": weight_scale, "W_SCALED": True} if weight_scale is not None else {}))
     return out
 
 
