@@ -53,14 +53,15 @@ def main():
     group = HEADS // KV_HEADS
     for cache, (ptr, size) in CACHES.items():
         int8, fp8 = cache == "int8", cache == "fp8"
-        # the mixed kernel at a step of decodes: 16 rows, key tiles of 64 (128 on int8: attention.py's tile choice)
-        block_n = 128 if int8 else 64
+        # the mixed kernel at a step of decodes: 16 rows, key tiles of 64 (128 on int8 and fp8: attention.py's choice)
+        block_n = 128 if int8 or fp8 else 64
         mixed = dict(GROUP=group, HEAD_DIM=HEAD_DIM, BLOCK_M=16, BLOCK_Q=16 // group, BLOCK_N=block_n,
                      BLOCK_SIZE=BLOCK_SIZE, QUANTIZED=int8, FP8=fp8)
         split = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=64,
                      DOT_PRECISION="tf32", DIRECT=False, QUANTIZED=int8, MERGE_LAST=True, BLOCK_P=4, GROUP_P=2,
                      PDL=True, FP8=fp8)
-        for name, kernel, consts, warps, stages in (("mixed", attention._mixed_attention_kernel, mixed, 4, 3 if int8 else 2),
+        for name, kernel, consts, warps, stages in (("mixed", attention._mixed_attention_kernel, mixed, 4,
+                                                      3 if int8 or fp8 else 2),
                                                      ("flash decoding", decode._flash_decode_split_kernel, split, 4, 3)):
             TYPES.update(typed(kernel, ptr))
             ops = loop_opcodes(compile_sm90(kernel, consts, warps, num_stages=stages))

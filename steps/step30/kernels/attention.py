@@ -96,7 +96,7 @@ if triton is not None:
                 k_s = tl.load(k_scale_ptr + scale_slot)
                 v_s = tl.load(v_scale_ptr + scale_slot)
         # int8 -> q's dtype, exact (-127..127), the scales applied to scores and probabilities below; step30: float8
-        # -> q's dtype, exact too (e4m3's values are bf16's), in registers; q's dtype itself: no instruction at all
+        # -> q's dtype (float16 for a bf16 model), exact too, in registers; q's dtype itself: no instruction at all
         k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [BLOCK_M, BLOCK_N], in log2 units
         if QUANTIZED:  # q . (k_int * k_s) = (q . k_int) * k_s: one multiply per score, not per key element
@@ -139,6 +139,8 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
+        if FP8 and q.dtype == tl.bfloat16:  # step30: products in float16, which e4m3 converts to in one step (bf16
+            q = q.to(tl.float16)           # would take a second); exact for q's values, finer for the probabilities
         query_pos = ctx - q_len + token  # each row's position in its sequence: causal within the chunk
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
@@ -219,8 +221,9 @@ def mixed_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k,
     fp8 = k_cache.dtype == FP8  # step30: k_scale goes into the scores' scale, v_scale onto the output
     group = num_heads // kv_heads
     config = tile_config(max_query_len, group)
-    if quantized and config["block_m"] == 16:  # short rows on int8: key tiles twice as long keep as many bytes in
-        config.update(block_n=128, num_stages=3)  # flight per load as bf16's (docs/data/tune_int8_decode.py)
+    if (quantized or fp8) and config["block_m"] == 16:  # short rows on int8 (step30: fp8): key tiles twice as long
+        config.update(block_n=128, num_stages=3)  # keep as many bytes in flight per load as bf16's
+        # (docs/data/tune_int8_decode.py), and spread each tile's fixed work over twice the keys (sass_step30.py)
     for name, value in dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages).items():
         if value is not None:
             config[name] = value

@@ -244,6 +244,8 @@ if triton is not None:
         row_ok = rows < GROUP  # rows padded up to BLOCK_G (>= 16, for tl.dot) are computed, never stored
         q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
+        if FP8 and q.dtype == tl.bfloat16:  # step30: products in float16, which e4m3 converts to in one step (bf16
+            q = q.to(tl.float16)           # would take a second); exact for q's values, finer for the probabilities
 
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
