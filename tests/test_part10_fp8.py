@@ -127,6 +127,17 @@ def test_mixed_kernel_fp8_equals_dequantised_reference(block_size, heads, kv_hea
     assert (got - plain).abs().max() > 1e-3  # the cache really was rounded: fp8 is not the fp32 result
 
 
+def test_mixed_kernel_fp8_decode_rows_take_long_key_tiles():
+    """A step of decodes only (16-row tiles): on an fp8 cache the mixed kernel reads key tiles of 128 (as on int8)
+    and still equals the reference on the dequantised cache, contexts shorter and longer than a tile."""
+    kern = module("kernels.attention")
+    q, k, v, tables, cu, lens = make_case([1, 1, 1, 1], [40, 300, 7, 128], 16, 4, 2, 64, torch.float32)
+    k8, v8 = quantized(k, v)
+    expected = kern.attention_reference(q, k8, v8, tables, cu, lens, 0.125, K_SCALE, V_SCALE)
+    got = kern.mixed_attention(q, k8, v8, tables, cu, lens, 0.125, 1, k_scale=K_SCALE, v_scale=V_SCALE)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,num_splits,one_launch", [
     (16, 4, 4, 64, 1, False), (64, 6, 2, 128, 3, False), (16, 8, 1, 128, 2, True), (16, 6, 2, 64, 4, True)])
 def test_flash_decode_fp8_equals_dequantised_reference(block_size, heads, kv_heads, head_dim, num_splits, one_launch):
