@@ -34,7 +34,8 @@ longest stop string's length minus one, so that a later stop string never takes 
 
 Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
 the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto", or "int8": K and V as int8 with an
-fp32 scale per token and KV head, or step30's "fp8" / "fp8_e4m3": float8 e4m3 with a scale per layer), enforce_eager (False: decode steps replay CUDA graphs where they can;
+fp32 scale per token and KV head, or step30's "fp8" / "fp8_e4m3": float8 e4m3 with a scale per layer),
+enforce_eager (False: decode steps replay CUDA graphs where they can;
 llm.cuda_graphs says whether they do and why not), tensor_parallel_size (default 1; N: this process is rank 0, with
 N - 1 worker processes, joined by two all-reduces per layer) and async_scheduling. How the engine grew, step by
 step, is in the step's README.
