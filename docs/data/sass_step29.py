@@ -34,11 +34,13 @@ TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "
          "out_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "eps": "fp32"}
 
 
-def compile_sm90(fn, consts: dict, num_warps: int, **options):
-    """fn compiled for sm_90 with these constexprs; pointers and strides marked 16-aligned, as the launch finds them."""
+def compile_sm90(fn, consts: dict, num_warps: int, types: dict | None = None, **options):
+    """fn compiled for sm_90 with these constexprs; pointers and strides marked 16-aligned, as the launch finds them.
+    types: argument types where they differ from TYPES (int32 for any argument neither names)."""
     names = fn.arg_names
+    types = {**TYPES, **(types or {})}
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
-    signature = {a: ("constexpr" if a in consts else TYPES.get(a, "i32")) for a in names}
+    signature = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in names}
     aligned = [a for a in names if a.endswith("_ptr") or a.startswith("stride") or a == "K"]
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})

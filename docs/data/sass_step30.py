@@ -46,7 +46,6 @@ def typed(kernel, cache_type: str) -> dict:
 
 def main():
     from steps.step30.kernels import attention, decode
-    from sass_step29 import TYPES
 
     print(f"Triton {triton.__version__}, compiled for sm_90 (H200); Qwen3-0.6B's attention ({HEADS} query heads, "
           f"{KV_HEADS} KV heads, head_dim {HEAD_DIM}); the loop over the key tiles, per byte of K and V one trip loads")
@@ -63,8 +62,7 @@ def main():
         for name, kernel, consts, warps, stages in (("mixed", attention._mixed_attention_kernel, mixed, 4,
                                                       3 if int8 or fp8 else 2),
                                                      ("flash decoding", decode._flash_decode_split_kernel, split, 4, 3)):
-            TYPES.update(typed(kernel, ptr))
-            ops = loop_opcodes(compile_sm90(kernel, consts, warps, num_stages=stages))
+            ops = loop_opcodes(compile_sm90(kernel, consts, warps, typed(kernel, ptr), num_stages=stages))
             total = sum(ops.values())
             kv_bytes = 2 * consts["BLOCK_N"] * HEAD_DIM * size + (2 * consts["BLOCK_N"] * 4 if int8 else 0)
             per_byte = total * 32 / kv_bytes  # lane-instructions: each warp instruction is 32 lanes' work

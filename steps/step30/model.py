@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from .parallel import TensorParallel, is_vocab_parallel, shard, vocab_rows
-from .quant import Fp8Weight, Q4Weight, cat_rows, quantize_fp8_weight, quantize_int4, read_gguf
+from .quant import FP8, Fp8Weight, Q4Weight, cat_rows, quantize_fp8, quantize_fp8_weight, quantize_int4, read_gguf
 
 
 SUPPORTED = ("llama", "qwen3")
@@ -485,8 +485,6 @@ def slot_mapping(start_positions: list[int], query_lens: list[int], block_tables
 # "auto": the model's dtype; "int8": one byte per element + a scale per row; step30: "fp8" / "fp8_e4m3" (vLLM's two
 # names for one format): one byte per element, float8 e4m3, with one scale per layer for K and one for V
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448: e4m3 has no infinity; a larger value is stored as 448 (saturated)
 
 
 def check_kv_cache_dtype(kv_cache_dtype) -> str:
@@ -513,13 +511,6 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """int8 rows [..., head_dim] and their scales [...] -> the rows in `dtype`: q * scale, computed in fp32."""
     return (q.float() * scale[..., None]).to(dtype)
-
-
-def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """step30: K (or V) rows -> float8 e4m3: x / scale rounded to the nearest e4m3 value, computed in fp32,
-    saturated at +-448 (e4m3's largest value; it has no infinity). Each element keeps 3 bits of mantissa: a relative
-    error of at most 1/16, whatever its size, down to 2^-6 (below that, e4m3's subnormals: steps of 2^-9)."""
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

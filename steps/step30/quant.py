@@ -88,7 +88,7 @@ def cat_rows(weights: list) -> "Q4Weight | Fp8Weight":
     """Weights of the same K stacked by output rows (the fused qkv and gate_up): blocks never cross a row (step30:
     nor do an fp8 weight's per-row scales)."""
     if isinstance(weights[0], Fp8Weight):
-        return Fp8Weight(torch.cat([w.data.view(torch.uint8) for w in weights]).view(torch.float8_e4m3fn),
+        return Fp8Weight(torch.cat([w.data.view(torch.uint8) for w in weights]).view(FP8),
                          torch.cat([w.scale for w in weights]))
     return Q4Weight(*(torch.cat([getattr(w, f) for w in weights]) for f in ("packed", "scale", "minimum")))
 
@@ -121,7 +121,16 @@ class Fp8Weight:
         return (self.data.float() * self.scale[:, None]).to(dtype)
 
 
-FP8_MAX = 448.0  # e4m3fn's largest value
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448: e4m3 has no infinity; a larger value is stored as 448 (saturated)
+
+
+def quantize_fp8(x: torch.Tensor, scale) -> torch.Tensor:
+    """step30: x / scale rounded to the nearest float8 e4m3 value, computed in fp32, saturated at +-448 (torch's own
+    cast saturates the same way). scale: a float (a KV cache's layer) or a tensor that broadcasts (a weight's rows,
+    activations' rows). Each element keeps 3 bits of mantissa: a relative error of at most 1/16, whatever its size,
+    down to 2^-6 (below that, e4m3's subnormals: steps of 2^-9)."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def quantize_fp8_weight(w: torch.Tensor) -> Fp8Weight:
@@ -133,7 +142,7 @@ def quantize_fp8_weight(w: torch.Tensor) -> Fp8Weight:
     w32 = w.detach().float()
     scale = w32.abs().amax(dim=1) / FP8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return Fp8Weight((w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.contiguous())
+    return Fp8Weight(quantize_fp8(w32, scale[:, None]), scale.contiguous())
 
 
 def q4_1_from_bytes(raw: np.ndarray, n: int, k: int) -> Q4Weight:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import Fp8Weight, Q4Weight
+from ..quant import FP8_MAX, Fp8Weight, Q4Weight, quantize_fp8
 from .gemv import gdc_launch_dependents, gdc_wait, gemv, pdl_supported
 from .gemv4 import dequantize4, gemv4
 
@@ -75,7 +75,7 @@ if triton is not None:
     @triton.jit
     def _to_fp8_range(x, scale):
         """step30: x / scale in fp32, rounded to the nearest float8 e4m3 value (ties to even) and saturated at +-448,
-        still as fp32: model.py's quantize_fp8 (torch's cast), so that the store's conversion has nothing left to
+        still as fp32: quant.py's quantize_fp8 (torch's cast), so that the store's conversion has nothing left to
         round. e4m3 keeps 3 bits of mantissa: a normal value (|y| >= 2^-6) is rounded by adding half of the dropped
         20 bits' range (and the kept last bit, for ties to even) to its fp32 bits and clearing them, a carry moving
         into the exponent as it should; below 2^-6 e4m3's steps are 2^-9, and adding then subtracting 1.5 * 2^14
@@ -135,7 +135,7 @@ if triton is not None:
             kv = tl.arange(0, BLOCK_KV)[:, None]
             dims = tl.arange(0, HEAD_DIM)[None, :]
             v = tl.load(qkv_ptr + token * stride_t + (NUM_QK + kv) * HEAD_DIM + dims, mask=kv < KV_HEADS, other=0.0)
-            if FP8_KV:  # step30: model.py's quantize_fp8, x / scale saturated at +-448, rounded to e4m3 by the store
+            if FP8_KV:  # step30: quant.py's quantize_fp8, x / scale saturated at +-448, rounded to e4m3 by the store
                 out1 = _to_fp8_range(out1, k_scale)
                 out2 = _to_fp8_range(out2, k_scale)
                 v = _to_fp8_range(v, v_scale)
@@ -221,7 +221,7 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weig
     step28: with k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] (the model's dtype) and slot_mapping
     [N], K and V are stored at each token's slot in the same launch, and only q is returned. pdl: launched as a
     programmatic dependent (gemv.py's pdl_supported). step30: a float8 e4m3 cache with its layer's k_scale and
-    v_scale (floats): K and V stored as model.py's quantize_fp8 stores them."""
+    v_scale (floats): K and V stored as quant.py's quantize_fp8 stores them."""
     _need_triton("qk_norm_rope")
     n = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -290,9 +290,8 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     to x's dtype, then a matmul."""
     if not scaled_mm_supported(x.device):
         return x @ weight.dequantize(x.dtype).T
-    x32 = x.float()
-    x_scale = (x32.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
-    x8 = (x32 / x_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    x_scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    x8 = quantize_fp8(x, x_scale)
     return torch._scaled_mm(x8, weight.data.t(), scale_a=x_scale, scale_b=weight.scale[None, :], out_dtype=x.dtype)
 
 
