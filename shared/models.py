@@ -44,6 +44,12 @@ RANDOM_SHAPES: dict[str, dict] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
     ),
+    "tiny-qwen3-moe": dict(  # for tests from step31 on: a mixture of experts, 8 experts, 2 per token; layer 1 dense
+        model_type="qwen3_moe", vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+    ),
     "qwen3-0.6b": dict(
         model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -186,7 +192,8 @@ def _hf_config_dict(shape: dict) -> dict:
     """A config.json that both our loaders and HF transformers (v5) read."""
     cfg = dict(shape)
     theta = cfg.pop("rope_theta")
-    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[cfg["model_type"]]
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[
+        cfg["model_type"]]
     cfg.update(
         architectures=[arch], rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_theta=theta,
         hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
@@ -209,10 +216,18 @@ def random_weight_names(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
             (p + "self_attn.v_proj.weight", (nkv * hd, h)),
             (p + "self_attn.o_proj.weight", (h, nh * hd)),
         ]
-        if cfg["model_type"] == "qwen3":
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
             names += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        names.append((p + "post_attention_layernorm.weight", (h,)))
+        if is_moe_layer(cfg, layer):  # a mixture of experts: the router, then each expert's three projections
+            e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+            names.append((p + "mlp.gate.weight", (e, h)))
+            for x in range(e):
+                names += [(p + f"mlp.experts.{x}.gate_proj.weight", (mi, h)),
+                          (p + f"mlp.experts.{x}.up_proj.weight", (mi, h)),
+                          (p + f"mlp.experts.{x}.down_proj.weight", (h, mi))]
+            continue
         names += [
-            (p + "post_attention_layernorm.weight", (h,)),
             (p + "mlp.gate_proj.weight", (i, h)),
             (p + "mlp.up_proj.weight", (i, h)),
             (p + "mlp.down_proj.weight", (h, i)),
@@ -223,8 +238,16 @@ def random_weight_names(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     return names
 
 
+def is_moe_layer(cfg: dict, layer: int) -> bool:
+    """A mixture of experts' sparse layer, by HF's rule (Qwen3-MoE: decoder_sparse_step and mlp_only_layers)."""
+    return (cfg.get("num_experts", 0) > 0 and layer not in cfg.get("mlp_only_layers", ())
+            and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+
+
 def make_random_weights(cfg: dict, seed: int = RANDOM_SEED) -> dict:
-    """Seeded weights: linears and embeddings ~ N(0, 0.02); norm weights ~ U(0.5, 1.5), not all ones."""
+    """Seeded weights: linears and embeddings ~ N(0, 0.02); norm weights ~ U(0.5, 1.5), not all ones. A mixture of
+    experts' router ~ N(0, 1 / hidden): its logits spread about 1 apart, so the routing is not a coin toss between
+    nearly equal experts (at 0.02 a small model's router would score every expert almost the same)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -232,6 +255,8 @@ def make_random_weights(cfg: dict, seed: int = RANDOM_SEED) -> dict:
     for name, shape in random_weight_names(cfg):
         if name.endswith("norm.weight"):
             weights[name] = torch.rand(shape, generator=gen) + 0.5
+        elif name.endswith("mlp.gate.weight"):
+            weights[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
         else:
             weights[name] = torch.randn(shape, generator=gen) * RANDOM_WEIGHT_STD
     return weights

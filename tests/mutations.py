@@ -500,6 +500,31 @@ MUTATIONS = [
         "            acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]\n",
         "            acc = acc\n",
         ("tests/test_part10_fp8.py::test_fp8_gemv_equals_dequantise_then_matmul[1-48-64-False-False-False]",)),
+    Mutation(
+        "step31-moe-no-renormalisation", "step31's router leaves the top-k probabilities as they are (no "
+        "renormalisation, though the model's config asks for it)",
+        "steps/step31/model.py",
+        "        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+        "        weights = weights\n",
+        ("tests/test_part10_moe.py::test_engine_equals_hf_qwen3_moe_batched_chunked_and_cached",)),
+    Mutation(
+        "step31-moe-first-expert-only", "step31's loop over the experts runs each token's first expert only",
+        "steps/step31/model.py",
+        "            rows, slot = torch.where(chosen == e)",
+        "            rows, slot = torch.where(chosen[:, :1] == e)",
+        ("tests/test_part10_moe.py::test_engine_equals_hf_qwen3_moe_batched_chunked_and_cached",)),
+    Mutation(
+        "step31-moe-down-no-router-weight", "step31's down kernel leaves the router weight off each pair's output",
+        "steps/step31/kernels/moe.py",
+        "        y = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]\n",
+        "        y = acc.to(a_ptr.dtype.element_ty).to(tl.float32)\n",
+        ("tests/test_part10_moe.py::test_fused_moe_equals_the_loop[5-2-None-random]",)),
+    Mutation(
+        "step31-moe-align-unpadded", "step31's align does not pad each expert's run to whole blocks",
+        "steps/step31/kernels/moe.py",
+        "    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m\n",
+        "    padded = counts[:num_experts]\n",
+        ("tests/test_part10_moe.py::test_fused_moe_equals_the_loop[5-2-None-random]",)),
     # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a placeholder's input id (0) instead "

@@ -50,7 +50,10 @@ The features (the step that brings each one in is where its lesson is tested in 
     fused_projections   ops.linear: each projection with its RMSNorm, SiLU * up or residual add; kernels/gemv.py's
                         GEMV at one row on CUDA; ops.qk_norm_rope_write stores K and V in the q/k norm + RoPE kernel
     int4_weights        quant.py: the GGUF's Q4_1 blocks kept as stored, int4 on load; kernels/gemv4.py
-    fp8_kv              kv_cache_dtype="fp8": K/V stored as float8 e4m3 with one scale per layer for each
+    fp8_kv              kv_cache_dtype="fp8": K/V stored as float8 e4m3 with one scale per layer for each of K and V;
+                        quantization="fp8": e4m3 weights with a scale per output row
+    moe                 a mixture of experts (Qwen3-MoE): route, kernels/moe.py's grouped GEMMs (fused == the loop over
+                        experts), enable_expert_parallel
 """
 from __future__ import annotations
 
@@ -129,6 +132,7 @@ step("step27", 9, adds=("speculative_decoding",))
 step("step28", 10, adds=("fused_projections",))
 step("step29", 10, adds=("int4_weights",))
 step("step30", 10, adds=("fp8_kv",))
+step("step31", 10, adds=("moe",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}
