@@ -183,6 +183,7 @@ def test_fused_engine_follows_the_loop_with_two_launches_per_sparse_layer(monkey
     LLM = load_engine(MOE_STEP).LLM
     loop = LLM(TINY_MOE, device="cpu", dtype="float32", max_kv_tokens=1024)
     fused = LLM(TINY_MOE, device="cpu", dtype="float32", max_kv_tokens=1024, attention_backend="triton")
+    assert "run as a loop over the experts hit" in loop.backend and "run as two grouped GEMMs" in fused.backend
     a, b = loop.generate(prompts, sp), fused.generate(prompts, sp)
     for i, (x, y) in enumerate(zip(a, b)):
         compare_completions(x.outputs[0], y.outputs[0], 1e-4, label=f"prompt {i}")
@@ -198,6 +199,7 @@ def generate_over_ranks(prompts, params, **options):
         out = llm.generate(prompts, params)
         w = llm.model.w["model.layers.0.mlp.experts.gate_up_proj.weight"]
         held = (llm.model.experts, tuple(w.shape), llm.tp.all_reduces, llm.stats["forwards"])
+        assert ("experts 0..3 whole (expert parallel)" in llm.backend) == options["enable_expert_parallel"]
     finally:
         llm.shutdown()
     return out, held

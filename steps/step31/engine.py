@@ -37,7 +37,8 @@ the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto", 
 fp32 scale per token and KV head, or step30's "fp8" / "fp8_e4m3": float8 e4m3 with a scale per layer),
 enforce_eager (False: decode steps replay CUDA graphs where they can;
 llm.cuda_graphs says whether they do and why not), tensor_parallel_size (default 1; N: this process is rank 0, with
-N - 1 worker processes, joined by two all-reduces per layer) and async_scheduling. How the engine grew, step by
+N - 1 worker processes, joined by two all-reduces per layer), async_scheduling and step31's enable_expert_parallel (a
+mixture of experts over N ranks: E / N whole experts on each rank, instead of 1/N of every expert). How the engine grew, step by
 step, is in the step's README.
 
 Speculative decoding (speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
@@ -81,7 +82,7 @@ from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_para
 def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict, tp: TensorParallel) -> str:
     """The engine in one line (llm.backend, which run.py prints): what the config asked for and what the build found
     (the KV pool's blocks and dtype and what sized it, the CUDA graphs captured or why none, the tensor split;
-    step27: the drafts, and the verify steps' graphs)."""
+    step27: the drafts, and the verify steps' graphs; step31: a mixture of experts' experts and how they run)."""
     if cuda_graphs["enabled"]:
         sizes = cuda_graphs["sizes"]
         graphs = (f"CUDA graphs: {len(sizes)} captured (decode batches of {', '.join(map(str, sizes[:5]))}"
@@ -125,7 +126,15 @@ def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict
                   " (dequantised for each matmul on this device)" if config.device.type != "cuda" else "")
               if fp8 else f"{config.dtype}".replace("torch.", ""))
     weights = f"weights: {total / 2**20:.0f} MiB, the projections' {linear / 2**20:.0f} MiB as {source}"
-    return (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), {weights}, continuous batching + "
+    experts = ""
+    if c.num_experts:  # step31: a mixture of experts, and how this rank runs its experts
+        held = model.experts
+        experts = (f"{c.num_experts} experts of width {c.moe_intermediate_size}, {c.num_experts_per_tok} a token, run "
+                   + ("as two grouped GEMMs a layer (kernels/moe.py)" if model.ops.name == "triton" else
+                      "as a loop over the experts hit (torch)")
+                   + (f", this rank holding experts {held.start}..{held.stop - 1} whole (expert parallel)"
+                      if len(held) < c.num_experts else "") + ", ")
+    return (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), {experts}{weights}, continuous batching + "
             f"chunked prefill + preemption, paged KV ({memory['num_blocks']} blocks of {config.block_size}, KV dtype "
             f"{kv}, sized by {memory['sized_by']}), "
             f"prefix caching {'on' if config.enable_prefix_caching else 'off'}, "

@@ -1,17 +1,16 @@
-"""step30 demo: a KV cache in float8. kv_cache_dtype="fp8" (or "fp8_e4m3", vLLM's two names) stores K and V as
-e4m3 (one byte, 3 bits of mantissa) with one scale per layer for K and one for V; the fused q/k norm + RoPE kernel
-writes them, and the attention kernels convert each tile to the model's dtype in registers (on a CPU the torch path
-dequantises after the gather). The lesson runs one greedy question (--lesson-tokens tokens) through this step with
-an fp8 cache and with the model's dtype ("auto"), and shows where the answers part, how far their logprobs drift, and what a token of K and V
-takes in each cache (and in step20's int8 one); then auto's runs beside step29's, equal token for token.
-
-step29's demo, below, for reference: 4-bit weights, the checkpoint as shipped. The embedded model's projections stay the GGUF's Q4_1 blocks
-(quant.py): on a CPU a torch path dequantises them for each matmul, on CUDA a GEMV reads the blocks and dequantises
-in registers (kernels/gemv4.py); quantization="int4" rounds a float checkpoint's projections to the same blocks.
-The outputs of the embedded model are step28's: the same weights. The lesson compares the two and their weights'
-bytes."""
+"""step31 demo: a mixture of experts. A Qwen3-MoE layer's MLP is E experts and a router: each token runs its k most
+probable experts, and the layer adds their outputs weighted by the router's probabilities (renormalised when the
+model's config says norm_topk_prob). The engine loads HF's Qwen3MoeForCausalLM checkpoints (model_type "qwen3_moe",
+one tensor per expert and projection, stacked on load). The torch path loops over the experts that got tokens (two
+matmuls each); the Triton path (kernels/moe.py) sorts the (token, expert) pairs by expert and runs every expert in
+one grouped GEMM per projection: two launches a layer, whatever the routing, and a shape fixed by the token count,
+so a CUDA graph holds it. tensor_parallel_size=N cuts each expert's width over N ranks; with
+enable_expert_parallel=True each rank holds E / N whole experts instead. The lesson runs --moe-model (a random
+model of a real MoE shape) on one question, shows how its tokens spread over the experts, and runs it through the
+loop and the fused kernels (in Triton's interpreter on a CPU): the same tokens, 2 launches a layer against the
+loop's 2 per expert hit. Then the dense --model through step30 and this step: equal, token for token."""
 import sys
-import textwrap
+from collections import Counter
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `shared` importable
@@ -22,48 +21,78 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 
 
 from shared import SamplingParams
-from shared.anatomy import anatomy_arg_parser, before_after, compared_options, demo_options
+from shared.anatomy import anatomy_arg_parser, before_after, compared_options, demo_options, interpreter_off_cuda
 from shared.cli import answer_question, format_table, print_header, user_errors
-
-from .engine import LLM
 
 
 def main() -> None:
     parser = anatomy_arg_parser(__doc__)
-    parser.set_defaults(requests=1, lesson_tokens=32)
-    parser.add_argument("--kv-cache-dtype", choices=["fp8", "fp8_e4m3", "int8", "auto"], default="fp8",
-                        help="the cache of the step's own engine (default fp8); the lesson compares it with auto")
+    parser.set_defaults(requests=1, lesson_tokens=8)
+    parser.add_argument("--moe-model", default="random:tiny-qwen3-moe",
+                        help="the mixture of experts of the lesson (default random:tiny-qwen3-moe: 8 experts, 2 a "
+                             "token); its fused path runs in Triton's interpreter on a CPU")
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                  **demo_options(args))
-        print_header("step30: FP8 on Hopper, a KV cache in float8", llm)
+        interpreter_off_cuda(args)  # before anything imports triton: the fused experts run in the interpreter here
+        from .engine import LLM
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))
+        print_header("step31: a mixture of experts, one grouped GEMM per projection", llm)
         answer_question(llm, args)
         show_lesson(llm, args)
 
 
+def routed(engine) -> list[Counter]:
+    """Wrap engine's ops.moe to count, per sparse layer call, how many tokens chose each expert (every forward)."""
+    from .model import route
+
+    calls, moe = [], engine.model.ops.moe
+
+    def counting(h, router, gate_up, down, top_k, renormalize, first_expert=0):
+        calls.append(Counter(route(h, router, top_k, renormalize)[1].flatten().tolist()))
+        return moe(h, router, gate_up, down, top_k, renormalize, first_expert)
+
+    engine.model.ops.moe = counting
+    return calls
+
+
 def show_lesson(llm, args) -> None:
-    from .model_runner import kv_bytes_per_token
-    auto = LLM(args.model, device=args.device, dtype=args.dtype, **compared_options(args))
-    sp = SamplingParams(temperature=0, max_tokens=args.lesson_tokens, logprobs=1, ignore_eos=True)
+    from .engine import LLM
+    sp = SamplingParams(temperature=0, max_tokens=args.lesson_tokens, ignore_eos=True)
     question = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
-    a, b = (engine.chat([question], sp)[0].outputs[0] for engine in (auto, llm))
-    first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
-    same = len(a.token_ids) if first is None else first
-    drift = [abs(a.logprobs[i][a.token_ids[i]] - b.logprobs[i][b.token_ids[i]]) for i in range(same)]
-    print(f"\n{args.lesson_tokens} greedy tokens, KV cache {args.kv_cache_dtype} against auto: "
-          + (f"equal for all {same}" if first is None else f"equal for the first {same}, then they part"))
-    if drift:
-        print(f"mean |logprob difference| of the chosen tokens {sum(drift) / len(drift):.4f} (largest "
-              f"{max(drift):.4f})")
-    for name, out in (("auto", a), (args.kv_cache_dtype, b)):
-        print(textwrap.fill(repr(out.text), width=100, initial_indent=f"  {name}: ", subsequent_indent="    "))
-    c = llm.model.config
-    rows = [[name, str(kv_bytes_per_token(c, llm.dtype, name))] for name in ("auto", "int8", "fp8")]
-    print(format_table(["KV cache", "bytes per token (K and V, every layer)"], rows))
-    # "auto" is step29's cache: the same tokens as step29 (fp8's differ, so it is not the one compared there)
-    before_after("step29", "step30", auto, args)
-    auto.shutdown()
+    outs, engines = {}, {}
+    for path, backend in (("loop", "torch"), ("fused", "triton")):
+        engines[path] = LLM(args.moe_model, device=args.device, dtype=args.dtype, attention_backend=backend,
+                            **compared_options(args))
+        calls = routed(engines[path]) if path == "loop" else None
+        outs[path] = engines[path].chat([question], sp)[0].outputs[0].token_ids
+        if calls is not None:
+            loads = calls
+    moe = engines["loop"].model
+    c = moe.config
+    sparse = [i for i in range(c.num_layers) if c.is_moe_layer(i)]
+    print(f"\n{args.moe_model}: {c.num_layers} layers, {len(sparse)} of them sparse, {c.num_experts} experts of width "
+          f"{c.moe_intermediate_size}, {c.num_experts_per_tok} per token"
+          f"{', renormalised' if c.norm_topk_prob else ''}")
+    prefill = loads[:len(sparse)]  # the first forward: the prompt, every sparse layer
+    tokens = sum(prefill[0].values()) // c.num_experts_per_tok
+    rows = [[str(layer), str(len(count)), str(max(count.values())), str(c.num_experts - len(count)),
+             " ".join(str(count.get(e, 0)) for e in range(min(c.num_experts, 16)))]
+            for layer, count in zip(sparse, prefill)]
+    print(f"The prompt's {tokens} tokens, routed (each token to {c.num_experts_per_tok} experts):")
+    print(format_table(["layer", "experts hit", "most tokens on one", "experts idle",
+                        f"tokens per expert{' (the first 16)' if c.num_experts > 16 else ''}"], rows))
+    forwards = {path: engine.stats["forwards"] for path, engine in engines.items()}
+    rows = [["loop over experts (torch)", str(forwards["loop"]), str(engines["loop"].model.ops.expert_matmuls)],
+            ["grouped GEMMs (kernels/moe.py)", str(forwards["fused"]), str(engines["fused"].model.ops.moe_launches)]]
+    where = "compiled" if llm.device.type == "cuda" else "in Triton's interpreter"
+    print(f"\n{args.lesson_tokens} greedy tokens through each path (the fused kernels {where}):")
+    print(format_table(["experts run by", "forwards", "expert launches"], rows))
+    same = outs["loop"] == outs["fused"]
+    print("The two paths' tokens are " + ("equal, token for token." if same else
+                                          "not equal (a near-tie in the sums' order)."))
+    for engine in engines.values():
+        engine.shutdown()
+    before_after("step30", "step31", llm, args)
 
 
 if __name__ == "__main__":
