@@ -50,6 +50,15 @@ RANDOM_SHAPES: dict[str, dict] = {
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
     ),
+    # Qwen3-30B-A3B's shape (128 experts of width 768, 8 a token) with 16 of its 48 layers: 10.6 B weights, stored in
+    # bfloat16 (21 GB; all 48 layers would be 61 GB, more than the GPU machine's disk holds beside everything else)
+    "qwen3-30b-a3b-16-layers": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        stored_dtype="bfloat16",
+    ),
     "qwen3-0.6b": dict(
         model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -192,12 +201,13 @@ def _hf_config_dict(shape: dict) -> dict:
     """A config.json that both our loaders and HF transformers (v5) read."""
     cfg = dict(shape)
     theta = cfg.pop("rope_theta")
+    stored = cfg.pop("stored_dtype", "float32")  # the weights' dtype in the safetensors file
     arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[
         cfg["model_type"]]
     cfg.update(
         architectures=[arch], rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_theta=theta,
         hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        dtype="float32", attention_dropout=0.0, initializer_range=RANDOM_WEIGHT_STD,
+        dtype=stored, attention_dropout=0.0, initializer_range=RANDOM_WEIGHT_STD,
     )
     return cfg
 
@@ -259,6 +269,7 @@ def make_random_weights(cfg: dict, seed: int = RANDOM_SEED) -> dict:
             weights[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
         else:
             weights[name] = torch.randn(shape, generator=gen) * RANDOM_WEIGHT_STD
+        weights[name] = weights[name].to(getattr(torch, cfg.get("dtype", "float32")))  # the config's stored dtype
     return weights
 
 

@@ -135,19 +135,23 @@ def test_fused_moe_leaves_out_another_ranks_experts():
 
 
 def test_ties_in_the_router_route_both_paths_alike():
-    """Two experts with the same router row tie for every token: both paths route through the one router (route),
-    so they choose the same expert and agree; the fused ops launch two kernels for the layer."""
+    """Experts 2 and 5 have the same router row, and every token leans towards it: the two tie for every token's one
+    expert. Both paths run after the one router (route), so they get the same choice and agree; the fused ops launch
+    two kernels for the layer."""
     mod, fused = module("model"), module("kernels.fused")
     gate_up, down = experts_case()
     g = torch.Generator().manual_seed(5)
+    lean = torch.randn(64, generator=g)
     router = torch.randn(8, 64, generator=g) / 8
-    router[5] = router[2]  # experts 2 and 5 score the same for every token
-    h = torch.randn(12, 64, generator=g)
+    router[2] = router[5] = lean / 2
+    h = torch.randn(12, 64, generator=g) + 2 * lean
     loop, triton_ops = mod.TorchLayerOps(), fused.TritonLayerOps()
-    expected = loop.moe(h, router, gate_up, down, 2, True)
-    got = triton_ops.moe(h, router, gate_up, down, 2, True)
+    weights, chosen = mod.route(h, router, 1, True)
+    assert ((chosen == 2) | (chosen == 5)).all()  # a tie, for every token
+    expected = loop.experts(h, weights, chosen, gate_up, down)
+    got = triton_ops.experts(h, weights, chosen, gate_up, down)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert triton_ops.moe_launches == 2 and loop.expert_matmuls > 2
+    assert triton_ops.moe_launches == 2 and loop.expert_matmuls == 2 * chosen.unique().numel()
 
 
 def test_align_sorts_every_pair_into_its_experts_padded_run():

@@ -39,7 +39,7 @@ completed by one all-reduce; lm_head's logits (the rank's vocab rows) are gather
 step31: a mixture of experts (Qwen3-MoE, HF's Qwen3MoeForCausalLM). A sparse layer's MLP is E experts, each a SwiGLU
 MLP of moe_intermediate_size, and a router (mlp.gate, [E, hidden]): each token's router logits -> softmax -> its
 top k experts, their probabilities renormalised to sum to 1 when norm_topk_prob says so; the layer's output is the
-k experts' outputs weighted by those probabilities. ops.moe runs it: TorchLayerOps loops over the experts (one
+k experts' outputs weighted by those probabilities. ops.experts runs them: TorchLayerOps loops over the experts (one
 matmul pair per expert that got tokens: the reference), kernels/moe.py's fused path sorts the (token, expert) pairs
 by expert and runs every expert in one grouped GEMM per projection. The experts load from HF's checkpoint names
 (mlp.experts.<e>.gate_proj / up_proj / down_proj) stacked into two 3-D tensors per layer. Layers named in
@@ -217,15 +217,14 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)  # each [N, intermediate]
         return torch.nn.functional.silu(gate) * up
 
-    def moe(self, h, router, gate_up, down, top_k, renormalize, first_expert=0):
-        """step31: a mixture of experts' MLP, h [N, hidden] (normalised) -> [N, hidden]: each token's top_k experts
-        (route) run by expert_loop. gate_up [E, 2 * width, hidden] and down [E, hidden, width] are the experts this
-        rank holds, first_expert .. first_expert + E - 1."""
-        weights, chosen = route(h, router, top_k, renormalize)  # [N, k] each
-        return self.expert_loop(h, weights, chosen - first_expert, gate_up, down)
+    def experts(self, h, weights, chosen, gate_up, down):
+        """step31: a mixture of experts' MLP after its router: expert_loop."""
+        return self.expert_loop(h, weights, chosen, gate_up, down)
 
     def expert_loop(self, h, weights, chosen, gate_up, down):
-        """step31: the experts as a loop, the reference kernels/moe.py is tested against. chosen [N, k]: each token's
+        """step31: the experts as a loop, the reference kernels/moe.py is tested against. h [N, hidden] (normalised)
+        -> [N, hidden], each token's chosen experts' outputs weighted by their router weights. gate_up
+        [E, 2 * width, hidden] and down [E, hidden, width] are the experts this rank holds. chosen [N, k]: each token's
         experts as this rank numbers them (outside 0 .. E - 1: another rank's, skipped); weights [N, k] their router
         weights. For each expert that got tokens: its tokens gathered, two matmuls, SiLU * up, the weights, and the
         rows added back into place, expert after expert: 2 matmuls per expert hit."""
@@ -239,7 +238,7 @@ class TorchLayerOps:
             self.expert_matmuls += 2
         return out
 
-    expert_matmuls = 0  # step31: the loop's matmuls (two per expert that got tokens), counted by moe
+    expert_matmuls = 0  # step31: the loop's matmuls (two per expert that got tokens), counted by expert_loop
 
     def qk_norm_rope(self, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim):
         """qkv [N, (heads + 2 * kv_heads) * head_dim] -> q [N, heads, head_dim], k [N, kv_heads, head_dim]: each head
@@ -469,15 +468,16 @@ class CausalLM:
 
     def moe(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         """step31: the residual stream x [N, hidden] -> x + the experts' weighted sum, each token through its top k
-        experts of post_attention_layernorm(x). ops.moe routes every token (the router is whole on every rank) and
+        experts of post_attention_layernorm(x). route chooses them (the router is whole on every rank) and ops.experts
         runs the experts this rank holds: all of them (a share of each one's width on each of N ranks), or with
         expert parallelism its own whole ones (self.experts), the others' (token, expert) pairs skipped. Either
         way a rank's output is a partial sum, completed by one all-reduce, as down_proj's is."""
         c, p = self.config, f"model.layers.{layer}."
         h, _ = self.ops.add_rms_norm(x, None, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        out = self.ops.moe(h, self.w[p + "mlp.gate.weight"], self.w[p + "mlp.experts.gate_up_proj.weight"],
-                           self.w[p + "mlp.experts.down_proj.weight"], c.num_experts_per_tok, c.norm_topk_prob,
-                           self.experts.start)
+        weights, chosen = route(h, self.w[p + "mlp.gate.weight"], c.num_experts_per_tok, c.norm_topk_prob)
+        # the experts as this rank numbers them (another rank's fall outside 0 .. E - 1 and are skipped)
+        out = self.ops.experts(h, weights, chosen - self.experts.start, self.w[p + "mlp.experts.gate_up_proj.weight"],
+                               self.w[p + "mlp.experts.down_proj.weight"])
         return x + (out if self.tp.size == 1 else self.tp.all_reduce(out))
 
     def add_projection(self, a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -42,16 +42,14 @@ def main() -> None:
 
 
 def routed(engine) -> list[Counter]:
-    """Wrap engine's ops.moe to count, per sparse layer call, how many tokens chose each expert (every forward)."""
-    from .model import route
+    """Wrap engine's ops.experts to count, per sparse layer call, how many tokens chose each expert (every forward)."""
+    calls, experts = [], engine.model.ops.experts
 
-    calls, moe = [], engine.model.ops.moe
+    def counting(h, weights, chosen, gate_up, down):
+        calls.append(Counter(chosen.flatten().tolist()))
+        return experts(h, weights, chosen, gate_up, down)
 
-    def counting(h, router, gate_up, down, top_k, renormalize, first_expert=0):
-        calls.append(Counter(route(h, router, top_k, renormalize)[1].flatten().tolist()))
-        return moe(h, router, gate_up, down, top_k, renormalize, first_expert)
-
-    engine.model.ops.moe = counting
+    engine.model.ops.experts = counting
     return calls
 
 

@@ -380,17 +380,14 @@ class TritonLayerOps:
             y = self.silu_mul(y)
         return y + residual if residual is not None else y
 
-    def moe(self, h, router, gate_up, down, top_k, renormalize, first_expert=0):
-        """step31: a mixture of experts' MLP (model.py's TorchLayerOps.moe, the loop over the experts) as
-        kernels/moe.py's two grouped GEMMs: the router in torch (a matmul, softmax, top k), then two launches
-        whatever the experts the tokens chose."""
-        from ..model import route
+    def experts(self, h, weights, chosen, gate_up, down):
+        """step31: a mixture of experts' MLP after its router (model.py's TorchLayerOps.expert_loop, the loop over the
+        experts) as kernels/moe.py's two grouped GEMMs: two launches whatever the experts the tokens chose."""
         from .moe import fused_moe
 
-        weights, chosen = route(h, router, top_k, renormalize)
         self.launches += 2
         self.moe_launches += 2
-        return fused_moe(h, weights, chosen - first_expert, gate_up, down)
+        return fused_moe(h, weights, chosen, gate_up, down)
 
     moe_launches = 0  # step31: the grouped GEMMs' launches (two per mixture-of-experts layer)
     expert_matmuls = 0  # step31: the loop's matmuls (TorchLayerOps.expert_loop): none on this path
