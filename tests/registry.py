@@ -54,6 +54,8 @@ The features (the step that brings each one in is where its lesson is tested in 
                         quantization="fp8": e4m3 weights with a scale per output row
     moe                 a mixture of experts (Qwen3-MoE): route, kernels/moe.py's grouped GEMMs (fused == the loop over
                         experts), enable_expert_parallel
+    kv_offload          kv_offloading_size: evicted prefix-cache blocks stored in host memory and restored on a hit
+                        (offload.py's HostKVTier), copies in the order asked, before the forward that reads them
 """
 from __future__ import annotations
 
@@ -133,6 +135,7 @@ step("step28", 10, adds=("fused_projections",))
 step("step29", 10, adds=("int4_weights",))
 step("step30", 10, adds=("fp8_kv",))
 step("step31", 10, adds=("moe",))
+step("step32", 10, adds=("kv_offload",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}

@@ -1,0 +1,161 @@
+"""The engine's options as one typed config (vLLM's EngineConfig, small): EngineConfig holds every option of LLM under
+vLLM's name, and checks them all in one place, its construction, before anything loads: each bad option is a
+ValueError that names it. It also resolves what was left to the engine (None: auto): the device and dtype, the
+attention backend, async scheduling, and max_kv_tokens on the CPU. Last it finds the model (a name, a random shape
+or a folder) and reads its config.json, to check that tensor_parallel_size splits it. step27: speculative_config, a
+dict as vLLM takes it, becomes a SpeculativeConfig (speculative.py).
+
+The LLM builds its EngineConfig from its keyword arguments first, then builds itself from it; the build of a rank
+(worker.py's build_rank) and the tensor-parallel workers get the config, not a dict of options. It pickles (the
+workers are spawned with it), and it is not checked again on the other side.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shared import DEFAULT_MODEL, check_engine_options, resolve_device_dtype, resolve_model
+from shared.models import shipped_gguf
+
+from .model import ModelConfig, check_kv_cache_dtype
+from .model_runner import CPU_DEFAULT_KV_TOKENS
+from .parallel import check_tensor_parallel_size
+from .offload import check_kv_offloading_size
+from .speculative import SpeculativeConfig
+
+# step27: verify steps of up to this many requests replay a graph (fewer if disable_by_batch_size says so); a
+# larger batch's verify forward is compute, not launches, and runs eagerly
+VERIFY_GRAPH_MAX_SEQS = 32
+
+
+def check_enforce_eager(enforce_eager) -> bool:
+    """enforce_eager must be a bool (vLLM's option): True runs every step eagerly, False replays CUDA graphs."""
+    if not isinstance(enforce_eager, bool):
+        raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
+    return enforce_eager
+
+
+def choose_async_scheduling(asked, device: torch.device) -> bool:
+    """step25: async_scheduling, True, False or None (on with CUDA, off elsewhere). With tensor parallelism too: rank
+    0 shares each step's sampled tokens with the workers on the devices (model_runner.py's share_tokens)."""
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError(f"async_scheduling must be True, False or None, got {asked!r}")
+    return device.type == "cuda" if asked is None else asked
+
+
+def choose_attention_backend(asked: str | None, device: torch.device) -> str:
+    """"triton" (the kernels for prefill chunks and decodes) or "torch" (step14_7's loop). Default: triton on
+    CUDA when Triton is installed, torch elsewhere. On a CPU the kernel runs only in Triton's interpreter."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    if asked is None:
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    if asked not in ("triton", "torch"):
+        raise ValueError(f"attention_backend must be 'triton', 'torch' or None, got {asked!r}")
+    if asked == "triton" and not has_triton:
+        raise ValueError("attention_backend='triton': Triton is not installed")
+    if asked == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' on the CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1")
+    return asked
+
+
+QUANTIZATIONS = ("int4", "fp8")  # step29: quantization's names besides None (the checkpoint as shipped); step30: fp8
+
+
+def check_quantization(quantization):
+    """step29: None (the linear weights as the checkpoint ships them) or one of QUANTIZATIONS."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None (the checkpoint's weights as shipped) or one of "
+                         f"{list(QUANTIZATIONS)}, got {quantization!r}")
+    return quantization
+
+
+@dataclass
+class EngineConfig:
+    """Every engine option, vLLM's names and LLM's defaults; after construction each one is checked and resolved."""
+
+    model: str = DEFAULT_MODEL  # a known name, "random:<shape>" or a folder; after: str(model)
+    device: torch.device | str | None = None  # None: cuda when torch sees a GPU, else cpu; after: a torch.device
+    dtype: torch.dtype | str | None = None  # None: bfloat16 on cuda, float32 on the cpu; after: a torch.dtype
+    max_num_seqs: int = 16  # requests running at once
+    max_num_batched_tokens: int = 512  # tokens computed in one step (its token budget)
+    max_kv_tokens: int | None = None  # the KV pool; None: from free memory on cuda, CPU_DEFAULT_KV_TOKENS on the cpu
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may use (weights, cache, graphs)
+    attention_backend: str | None = None  # "triton" or "torch"; None: triton on cuda (when installed), else torch
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8", or step30's "fp8" / "fp8_e4m3"
+    enforce_eager: bool = False  # True: no CUDA graphs
+    tensor_parallel_size: int = 1  # ranks: this process and N - 1 workers
+    async_scheduling: bool | None = None  # step25: the overlapped order; None: on with cuda, off elsewhere
+    # step27: n-gram drafts, {"method": "ngram", "num_speculative_tokens": k, ...}; after: a SpeculativeConfig or None
+    speculative_config: SpeculativeConfig | dict | None = None
+    # step29: the linear layers' weights. None: as the checkpoint ships them (the embedded model: its GGUF's 4-bit
+    # Q4_1 blocks; a float checkpoint: floats); "int4": a float checkpoint's rounded to 4-bit blocks on load
+    quantization: str | None = None
+    # step31: a mixture of experts over N ranks: False cuts every expert as the MLP is cut (1/N of its width on
+    # each rank), True gives each rank E/N whole experts (expert parallelism; parallel.py)
+    enable_expert_parallel: bool = False
+    # step32: a second tier for the prefix cache in host memory (pinned on CUDA), in GiB (vLLM's name); None or 0: none
+    kv_offloading_size: float | None = None
+    # found from `model` during the checks: its folder and its config.json
+    model_dir: Path = field(init=False)
+    model_config: ModelConfig = field(init=False, repr=False)
+    gguf_file: Path | None = field(init=False, default=None)  # step29: the GGUF whose blocks are read, if any
+
+    def __post_init__(self):
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
+        # step27: n-gram drafts, on one rank; a step that drafts is synchronous
+        if not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.tensor_parallel_size != 1:
+            raise ValueError("speculative_config: not with tensor_parallel_size > 1 in this step")
+        self.enforce_eager = check_enforce_eager(self.enforce_eager)
+        check_tensor_parallel_size(self.tensor_parallel_size)  # its type now; how it splits the model below
+        self.device, self.dtype = resolve_device_dtype(self.device, self.dtype)
+        self.async_scheduling = choose_async_scheduling(self.async_scheduling, self.device)
+        if self.max_kv_tokens is None and self.device.type == "cpu":
+            self.max_kv_tokens = CPU_DEFAULT_KV_TOKENS  # the CPU knob; on CUDA, None = size the pool from free memory
+        check_engine_options(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                             gpu_memory_utilization=self.gpu_memory_utilization, max_kv_tokens=self.max_kv_tokens,
+                             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                             may_be_none=("max_kv_tokens",))
+        self.attention_backend = choose_attention_backend(self.attention_backend, self.device)
+        # every option is checked: only now is the model found (a random one is built, the default converted)
+        self.model_dir = resolve_model(self.model)
+        self.model = str(self.model)
+        # step29: where the 4-bit blocks come from: the shipped GGUF file (read as stored), or int4 on load
+        self.quantization = check_quantization(self.quantization)
+        self.gguf_file = shipped_gguf(self.model) if self.quantization is None else None
+        self.model_config = ModelConfig.from_json(self.model_dir / "config.json")
+        # the split must fit the model's heads: checked on its config, before any process starts
+        self.kv_offloading_size = check_kv_offloading_size(self.kv_offloading_size)  # step32
+        if self.kv_offloading_size and self.tensor_parallel_size != 1:
+            raise ValueError("kv_offloading_size: not with tensor_parallel_size > 1 in this step (the host tier's copies "
+                             "run on rank 0's cache only)")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size: the host tier holds evicted prefix-cache blocks, so it needs "
+                             "enable_prefix_caching=True")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
+        check_tensor_parallel_size(self.tensor_parallel_size, self.model_config, self.device,
+                                   self.enable_expert_parallel)
+
+    @property
+    def max_model_len(self) -> int:
+        """The model's context: a prompt and its max_tokens fit in it."""
+        return self.model_config.max_position_embeddings
+
+    @property
+    def verify_graphs(self) -> tuple[int, int] | None:
+        """step27: the verify steps' CUDA graphs, (k + 1 tokens per row, the largest batch that drafts with a graph),
+        for the batches that draft; None without speculation."""
+        spec = self.speculative_config
+        if spec is None:
+            return None
+        limit = spec.disable_by_batch_size  # a step drafts below it: limit - 1 requests at most
+        largest = VERIFY_GRAPH_MAX_SEQS if limit is None else max(1, min(limit - 1, VERIFY_GRAPH_MAX_SEQS))
+        return spec.num_speculative_tokens + 1, largest

@@ -1,0 +1,616 @@
+"""The offline engine, LLM: requests in, RequestOutputs out. add_request makes a Sequence; each step() asks the
+scheduler which sequences run and with how many tokens, has the model runner run one forward for all of them and
+sample, then grows the sequences, finishes those that are done (their blocks freed) and returns the outputs.
+generate() and chat() are add_request plus step() until every request is done. engine.py only wires the parts:
+
+    sequence.py       one request's state (status, tokens, placeholders, num_computed_tokens, block table)
+    scheduler.py      which sequences run in the next step, and how many tokens each
+    block_manager.py  which cache blocks hold which tokens (paged KV, prefix caching)
+    model_runner.py   sequences -> tensors, the forward, the sampler, the read-back; owns the model and the KV cache
+    attention.py      how attention runs, one object per backend: its metadata per step, its math per layer
+    worker.py         one rank's build (its share of the model, the backend, the KV cache, the CUDA graphs) and
+                      the tensor-parallel worker processes
+    parallel.py       how the model is cut over N ranks, and the collectives that join them
+
+A step. The scheduler has no phases: every running request catches up on its tokens without K/V under one token
+budget, the least behind first (a decode is a request one token behind; a prompt is computed in chunks). All of a
+step's rows, decodes and chunks alike, go through one forward whose attention is one kernel launch per layer (or
+flash decoding, for a step of long decodes), with the layer's small operators fused; a step of decodes only replays
+a CUDA graph of its batch-size bucket. The sampler draws every sampling row at once, each keyed by its request's
+(seed, position), and the runner reads the tokens back with one wait for the device.
+
+The overlapped order (async_scheduling, vLLM's name; None: on with CUDA, off elsewhere). _step_async schedules step
+N + 1 and launches its forward and its sampling before it reads step N's tokens: the device runs step N + 1 while the
+host reads step N, finishes what it finished, builds the outputs, and schedules and prepares the next step. A token
+the host has not read is a placeholder of its sequence, only counted (num_output_placeholders); the device keeps it
+(the runner's last_token) and the next step's inputs read it there (execute's placeholders). Finish is known one step
+late: a request that step N finishes was already scheduled into step N + 1, whose token for it is thrown away
+(stats["discarded_tokens"]), never emitted. A launch or a read that fails drops its step's requests and leaves no
+step in flight. The CPU runs the same order on its one stream. async_scheduling=False runs each step's tokens
+read before the next is scheduled (_step).
+
+Streaming: step(partial=True) also returns the requests that got a token and go on, their text held back by the
+longest stop string's length minus one, so that a later stop string never takes back text already sent.
+
+Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
+the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto", or "int8": K and V as int8 with an
+fp32 scale per token and KV head, or step30's "fp8" / "fp8_e4m3": float8 e4m3 with a scale per layer),
+enforce_eager (False: decode steps replay CUDA graphs where they can;
+llm.cuda_graphs says whether they do and why not), tensor_parallel_size (default 1; N: this process is rank 0, with
+N - 1 worker processes, joined by two all-reduces per layer), async_scheduling and step31's enable_expert_parallel (a
+mixture of experts over N ranks: E / N whole experts on each rank, instead of 1/N of every expert). How the engine grew, step by
+step, is in the step's README.
+
+Speculative decoding (speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+"prompt_lookup_min": 2}, vLLM's option; speculative.py). Before a step's forward each decoding request may get up to
+k drafts, looked up in its own tokens (_propose, in empty blocks only); it then runs as a chunk of k + 1 tokens in the
+same mixed forward, whose logits at every one of those places the runner returns (logits_rows). The runner's verify
+draws every place as a plain step draws it, and the drafts pass while they equal it (_verify): 1 to k + 1 tokens are
+emitted, exactly the plain decode's, and the scheduler rolls the rejected drafts back (postprocess_verified). A step
+with drafts replays a verify graph (k + 1 tokens per row) up to VERIFY_GRAPH_MAX_SEQS requests, eagerly above, and
+runs synchronously (the next step's drafts need this step's tokens). A step in which no request can get drafts runs
+overlapped, as above: from disable_by_batch_size requests in the engine (speculative.DISABLE_BY_BATCH_SIZE unless the
+config names one; None: never), and when no running request's known tokens end in an n-gram that occurs before
+(_may_draft). A step in flight is read before drafting resumes. Not with tensor parallelism in this step.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from types import SimpleNamespace
+
+import torch
+
+from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams, Tokenizer, check_conversations,
+                    check_length, normalize_prompts, normalize_sampling_params)
+
+from .block_manager import BlockManager
+from .config import EngineConfig, check_enforce_eager, choose_async_scheduling, choose_attention_backend  # noqa: F401
+from .config import VERIFY_GRAPH_MAX_SEQS  # noqa: F401  (step27: the verify graphs' largest batch)
+from .detokenizer import IncrementalDetokenizer
+from .quant import Fp8Weight, Q4Weight
+from .model import weight_bytes, KV_CACHE_DTYPES, ModelConfig, check_kv_cache_dtype  # noqa: F401
+from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks, to_device  # noqa: F401
+from .offload import HostKVTier, block_bytes
+from .parallel import TensorParallel, WorkerError, rank_device
+from .sampler import request_seed
+from .scheduler import Scheduler
+from .sequence import Finish, Sequence, SequenceStatus
+from .speculative import NgramProposer
+from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
+
+
+def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict, tp: TensorParallel) -> str:
+    """The engine in one line (llm.backend, which run.py prints): what the config asked for and what the build found
+    (the KV pool's blocks and dtype and what sized it, the CUDA graphs captured or why none, the tensor split;
+    step27: the drafts, and the verify steps' graphs; step31: a mixture of experts' experts and how they run)."""
+    if cuda_graphs["enabled"]:
+        sizes = cuda_graphs["sizes"]
+        graphs = (f"CUDA graphs: {len(sizes)} captured (decode batches of {', '.join(map(str, sizes[:5]))}"
+                  f"{' .. ' + str(sizes[-1]) if len(sizes) > 5 else ''}), replayed for steps of decodes")
+    else:
+        graphs = f"CUDA graphs: off, eager ({cuda_graphs['reason']})"
+    c = model.config
+    split = (f"tensor parallel: {tp.size} ranks ({tp.backend}), each {c.num_heads} heads / "
+             f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
+             if tp.size > 1 else "tensor parallel: off (1 rank)")
+    kv = memory["kv_dtype"] + (" + an fp32 scale per token and KV head" if config.kv_cache_dtype == "int8" else
+                               " + a scale per layer for K and for V" if memory["kv_dtype"] == "float8_e4m3fn" else "")
+    scheduling = ("scheduling: async (step N + 1 launched before step N's tokens are read"
+                  f"{'; one stream on the CPU: the order, no overlap' if config.device.type != 'cuda' else ''})"
+                  if config.async_scheduling else
+                  "scheduling: sync (each step's tokens read before the next step is scheduled)")
+    spec = config.speculative_config  # step27
+    verify_sizes = cuda_graphs.get("verify_sizes")
+    verify_graphs = (f"verify steps of up to {verify_sizes[-1]} requests replayed from {len(verify_sizes)} graphs "
+                     f"of {cuda_graphs['verify_query_len']} tokens per row, larger ones eager"
+                     if verify_sizes else "verify steps eager")
+    speculation = (f"speculative decoding: ngram, up to {spec.num_speculative_tokens} drafts "
+                   f"(lookup {spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens"
+                   f"{f', off from {spec.disable_by_batch_size} running requests' if spec.disable_by_batch_size else ''}"
+                   f"), {verify_graphs}" if spec is not None else "speculative decoding: off")
+    gemv_devices = getattr(model.ops, "gemv_devices", ())  # step28: where few rows run the GEMV kernel
+    max_rows = model.ops.gemv_max_rows if gemv_devices else 0
+    pdl = ", launched as programmatic dependents (PDL)" if model.ops.name == "triton" and model.ops.uses_pdl(
+        config.device) else ""
+    linear, total = weight_bytes(model.w)  # step29: what the weights take, as loaded (this rank's share)
+    blocks = any(isinstance(w, Q4Weight) for w in model.w.values())
+    fp8 = any(isinstance(w, Fp8Weight) for w in model.w.values())  # step30
+    rows4 = model.ops.gemv4_max_rows if blocks and gemv_devices else 0  # step29: the 4-bit GEMV's rows
+    projections = (f"Triton GEMV at {max_rows} row{'s' if max_rows > 1 else ''} (norm, SiLU * up and residual "
+                   f"fused){pdl}, cuBLAS above" + (f"; the 4-bit blocks: the 4-bit GEMV up to {rows4} rows, above "
+                                                  f"them dequantised for each matmul, then cuBLAS" if rows4 else "")
+                   if config.device.type in gemv_devices else "torch matmuls (norm, SiLU * up and residual beside them)")
+    source = (("4-bit Q4_1 blocks as the GGUF ships them" if config.gguf_file is not None else
+               "int4 blocks rounded on load (groups of 32)") if blocks else
+              "float8 e4m3 rounded on load, a scale per output row" + (
+                  " (dequantised for each matmul on this device)" if config.device.type != "cuda" else "")
+              if fp8 else f"{config.dtype}".replace("torch.", ""))
+    weights = f"weights: {total / 2**20:.0f} MiB, the projections' {linear / 2**20:.0f} MiB as {source}"
+    experts = ""
+    if c.num_experts:  # step31: a mixture of experts, and how this rank runs its experts
+        held = model.experts
+        experts = (f"{c.num_experts} experts of width {c.moe_intermediate_size}, {c.num_experts_per_tok} a token, run "
+                   + ("as two grouped GEMMs a layer (kernels/moe.py)" if model.ops.name == "triton" else
+                      "as a loop over the experts hit (torch)")
+                   + (f", this rank holding experts {held.start}..{held.stop - 1} whole (expert parallel)"
+                      if len(held) < c.num_experts else "") + ", ")
+    host = (f"host KV tier: {memory['host_blocks']} blocks ({memory['host_bytes'] / 2**20:.1f} MiB of "
+            f"{'pinned ' if config.device.type == 'cuda' else ''}host memory, LRU), evicted prefix blocks stored there "
+            "and restored on a hit" if memory.get("host_blocks") else "host KV tier: off")  # step32
+    return (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), {experts}{weights}, continuous batching + "
+            f"chunked prefill + preemption, paged KV ({memory['num_blocks']} blocks of {config.block_size}, KV dtype "
+            f"{kv}, sized by {memory['sized_by']}), "
+            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}, {host}, "
+            f"attention: {model.attention_backend.name}, elementwise: "
+            f"{'fused kernels' if model.ops.name == 'triton' else 'torch operators'}, projections: {projections}, "
+            f"{graphs}, "
+            f"{split}, {scheduling}, {speculation}")
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, device=None, dtype=None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512, max_kv_tokens: int | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
+                 attention_backend: str | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1, async_scheduling: bool | None = None,
+                 speculative_config: dict | None = None, quantization: str | None = None,
+                 enable_expert_parallel: bool = False, kv_offloading_size: float | None = None):
+        # Every option checked, the auto ones resolved and the model found (config.py), before anything loads.
+        self.config = config = EngineConfig(
+            model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
+            attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling,
+            speculative_config=speculative_config, quantization=quantization,
+            enable_expert_parallel=enable_expert_parallel, kv_offloading_size=kv_offloading_size)
+        self.model_name, self.device, self.dtype = config.model, config.device, config.dtype
+        self.async_scheduling = config.async_scheduling  # step25: read at every step (run.py switches it)
+        self.in_flight: SimpleNamespace | None = None  # step25: the step launched and not read yet
+        # step27: n-gram drafts (config.py parsed them); a step that drafts is synchronous
+        self.speculative = config.speculative_config
+        self.proposer = NgramProposer(self.speculative) if self.speculative is not None else None
+        self.tokenizer = Tokenizer(config.model_dir)
+        self.is_shut_down = False  # shutdown() sets it: nothing runs after
+        self.workers: Workers | None = None
+        if config.tensor_parallel_size == 1:
+            self.tp = TensorParallel()
+        else:  # the workers start, then every rank builds its share; rank 0 is this process
+            self.device = rank_device(self.device, 0)
+            self.workers, self.tp = start_tensor_parallel(config, self.device)
+        self._finalizer = weakref.finalize(self, stop_tensor_parallel, self.workers, self.tp) if self.workers else None
+        try:
+            self.runner, self.memory, self.cuda_graphs = build_rank(config, self.device, self.tp)
+            if self.workers is not None:
+                self.workers.wait_ready()
+        except BaseException as e:  # a worker's own error says more than the closed connection rank 0 saw
+            failure = self.workers.failure(wait_s=5) if self.workers and not isinstance(e, WorkerError) else None
+            self.shutdown()
+            if failure:
+                raise WorkerError(failure) from e
+            raise
+        self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
+        # step25: with workers, rank 0 sends them each step's sampled tokens on the devices (placeholders' inputs)
+        self.runner.share_tokens = self.async_scheduling and self.workers is not None
+        self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers
+        # step25: tokens computed for requests that had finished (thrown away); launches that began while the step
+        # before still ran on the device (CUDA: its results' event not reached yet)
+        self.stats.update(discarded_tokens=0, overlapped_launches=0)
+        # step27: drafts proposed and accepted; requests verified (a chunk of drafts each) and the tokens they
+        # emitted; runs a stop cut short; steps with drafts; steps that drafted nothing because of
+        # disable_by_batch_size, or because no request could get drafts (they overlap); every emitted token
+        self.stats.update(spec_proposed=0, spec_accepted=0, spec_verified=0, spec_emitted=0, spec_cut=0,
+                          spec_steps=0, spec_disabled_steps=0, spec_undraftable_steps=0,
+                          emitted_tokens=0)
+        self.max_model_len = config.max_model_len
+        self.host_tier = None  # step32: the prefix cache's second tier, in host memory (offload.py)
+        if config.kv_offloading_size:
+            per_block = block_bytes(self.runner.kv_cache)
+            slots = int(config.kv_offloading_size * 2**30) // per_block
+            if slots < 1:
+                self.shutdown()
+                raise ValueError(f"kv_offloading_size={config.kv_offloading_size} GiB holds no block of the cache "
+                                 f"({per_block} bytes a block)")
+            self.host_tier = self.runner.host_tier = HostKVTier(self.runner.kv_cache, slots, self.device, self.stats)
+            self.memory.update(host_blocks=slots, host_bytes=slots * per_block)
+        self.backend = describe_engine(config, self.model, self.memory, self.cuda_graphs, self.tp)
+        self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
+        # a request's released blocks free its block-table row in the runner
+        self.block_manager = BlockManager(self.memory["num_blocks"], config.block_size, config.enable_prefix_caching,
+                                          on_release=self.runner.block_tables.release,
+                                          on_trim=self.runner.block_tables.trim, host=self.host_tier)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
+        self.next_request_id = 0
+        self.finished_outputs: list[RequestOutput] = []  # finished, not handed out yet (see generate)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the group, and free the KV cache and the CUDA graphs' memory
+        now (runner.release): the engine serves nothing after this. Idempotent. The workers are also stopped when
+        the engine is garbage-collected and when the process exits."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self.is_shut_down = True
+        self.in_flight = None  # step25: its results are not read (runner.release waits for the device first)
+        self.kv_cache = None  # before the runner hands the memory back: no reference to the cache may be left
+        if getattr(self, "host_tier", None) is not None:  # step32: its queued copies run, then it lets go
+            self.host_tier.release()
+        if getattr(self, "runner", None) is not None:
+            self.runner.release()
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("LLM: this engine was shut down (shutdown() freed its KV cache): make a new LLM")
+
+    def __del__(self):
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompts = normalize_prompts(prompts, self.tokenizer, self.model.config.vocab_size)
+        params = normalize_sampling_params(sampling_params, len(prompts), SamplingParams(temperature=0))
+        for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
+            check_length(i, len(ids), sp, self.max_model_len)
+            self._check_fits_kv_budget(i, len(ids), sp)
+        # Everything is checked above, before anything is queued.
+        request_ids = [self._add(text, ids, sp) for (text, ids), sp in zip(prompts, params)]
+        mine: dict[str, RequestOutput | None] = dict.fromkeys(request_ids)
+        try:
+            while None in mine.values():  # until all of ours have finished
+                if not self.has_unfinished_requests():
+                    raise RuntimeError("generate(): the scheduler lost a request")  # a bug, never a silent hang
+                for out in self._step():
+                    if out.request_id in mine:
+                        mine[out.request_id] = out
+                    else:  # a request queued with add_request(): a later step() hands it out
+                        self.finished_outputs.append(out)
+        except BaseException:  # the caller gets the error, not our outputs: drop what is left of ours
+            for request_id, out in mine.items():
+                if out is None:
+                    self.abort_request(request_id)
+            raise
+        return list(mine.values())
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue one request (a string or token ids); it joins the running batch at a coming step(). step23:
+        request_id names it (any string no queued or running request has; None: the engine numbers it)."""
+        text, ids, sp = self.check_request(prompt, sampling_params)
+        return self._add(text, ids, sp, request_id)
+
+    def check_request(self, prompt, sampling_params: SamplingParams | None = None):
+        """One request's checks, before anything is queued: -> (its text, its token ids, its SamplingParams).
+        ValueError names what is wrong. Reads no engine state that a step changes (safe beside a running step)."""
+        (text, ids), = normalize_prompts([prompt], self.tokenizer, self.model.config.vocab_size, one=True)
+        sp = normalize_sampling_params(sampling_params, 1, SamplingParams(temperature=0))[0]
+        check_length(0, len(ids), sp, self.max_model_len)
+        self._check_fits_kv_budget(0, len(ids), sp)
+        return text, ids, sp
+
+    def _check_fits_kv_budget(self, index: int, prompt_len: int, sp: SamplingParams) -> None:
+        """A request that could never fit in the KV pool, even alone, is refused now instead of waiting forever."""
+        bm = self.block_manager
+        if bm.blocks_for(prompt_len + sp.max_tokens) > bm.num_blocks:
+            raise ValueError(f"prompts[{index}]: prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) = "
+                             f"{prompt_len + sp.max_tokens} exceeds max_kv_tokens ({bm.num_blocks * bm.block_size} "
+                             f"= {bm.num_blocks} blocks of {bm.block_size}): it could never fit in the KV pool")
+
+    def _add(self, text: str | None, ids: list[int], sp: SamplingParams, request_id: str | None = None) -> str:
+        self._check_running()
+        if request_id is None:
+            request_id = str(self.next_request_id)
+            self.next_request_id += 1
+        elif request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already queued or running")
+        self.scheduler.add(Sequence(request_id, text, ids, sp, request_seed(sp),
+                                   RequestMetrics(time.perf_counter()), logprobs=[] if sp.logprobs is not None else None,
+                                   detokenizer=IncrementalDetokenizer(self.tokenizer)))
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self.in_flight is not None  # step25: a step's results to read
+
+    def abort_request(self, request_id: str) -> Sequence | None:
+        """Drop a waiting or running request: it leaves the queues, releases its KV memory and is never returned.
+        -> the dropped sequence (None: no such request is queued or running)."""
+        r = self.scheduler.requests.get(request_id)
+        if r is not None:
+            self.scheduler.finish(r)
+        return r
+
+    def step(self, partial: bool = False) -> list[RequestOutput]:
+        """One iteration: every running request computes the tokens the scheduler gave it (one for a decode, a
+        chunk of its prompt otherwise), all in one forward within the token budget. Returns the requests that finished in this iteration,
+        and any that finished earlier without being handed out (while another caller's generate() ran).
+        step23: partial=True also returns each request that got a token and goes on (finished=False, its text so
+        far). An idle engine returns []."""
+        self._check_running()
+        handed_out, self.finished_outputs = self.finished_outputs, []
+        return handed_out + self._step(partial)
+
+    def _step(self, partial: bool = False) -> list[RequestOutput]:
+        drafting = self.speculative is not None and self._drafting()
+        if drafting and self.async_scheduling and not self._may_draft():
+            drafting = False  # step27: no request can get drafts: the step runs overlapped, as step26's
+            self.stats["spec_undraftable_steps"] += 1
+        if drafting and self.in_flight is not None:  # step27: drafts need every token read: read the step in flight
+            step_n, self.in_flight = self.in_flight, None
+            return self._read_step(step_n, partial)
+        if self.async_scheduling and not drafting:
+            return self._step_async(partial)
+        timer = self.timers.phase
+        with timer("schedule"):
+            work = self.scheduler.schedule()  # [(sequence, tokens to compute)]: decodes and chunks alike
+        scheduled = [seq for seq, _ in work]
+        if not scheduled:  # idle: nothing waits or runs
+            return []
+        self.timers.steps += 1
+        with timer("schedule"):
+            decodes = sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
+            self.stats["decode_steps"] += bool(decodes)
+            self.stats["decode_rows"] += decodes
+            self.stats["prefill_chunks"] += len(work) - decodes
+        spec = self._propose(work) if drafting else {}  # step27: {work index: drafts}
+        if spec:
+            work = [(seq, n + len(spec[i])) if i in spec else (seq, n) for i, (seq, n) in enumerate(work)]
+        try:
+            logits_rows, first_row = None, list(range(len(work)))  # the logits' first row of each sequence
+            if spec:  # step27: a drafting sequence's logits at its newest token and at every draft; one row else
+                logits_rows, first_row, start = [], [], 0
+                for i, (seq, n) in enumerate(work):
+                    first_row.append(len(logits_rows))
+                    logits_rows += range(start, start + n) if i in spec else [start + n - 1]
+                    start += n
+            logits = self.runner.execute(work, logits_rows=logits_rows)  # in the order of the work
+            with timer("schedule"):
+                # a drafting sequence counts its tokens as computed after the verdict (_verify), not before
+                self.scheduler.postprocess([(seq, n) for i, (seq, n) in enumerate(work) if i not in spec])
+                # Decodes get a token; a chunk gets one only if it was its prompt's last (its logits are the next
+                # token's), otherwise its row is dropped.
+                rows = [i for i, seq in enumerate(scheduled) if i not in spec and seq.num_computed_tokens == seq.num_tokens]
+            if rows:  # one sampler call for the whole batch
+                with timer("sample"):
+                    sampled = [scheduled[i] for i in rows]
+                    if len(rows) < len(logits):  # the index goes to the device without a wait (pinned)
+                        logits_plain = logits[to_device(torch.tensor([first_row[i] for i in rows]), logits.device)]
+                    else:
+                        logits_plain = logits
+                self._append_tokens(sampled, logits_plain)
+            else:
+                sampled = []
+            if spec:
+                self._verify(spec, scheduled, logits, first_row)
+        except BaseException:  # a failure mid-step leaves these sequences half-updated: drop them, then re-raise
+            self._drop(scheduled)
+            raise
+        with timer("schedule"):
+            finished = [seq for seq in scheduled if seq.finish is not None]
+            for seq in finished:
+                self.scheduler.finish(seq)  # its blocks are released: free again, or evictable if cached
+        with timer("detokenize"):
+            outputs = [seq.to_output() for seq in finished]
+            if partial:  # the requests that got a token (or several: step27) and go on
+                outputs += [seq.partial_output() for seq in sampled + [scheduled[i] for i in spec]
+                            if seq.finish is None]
+            return outputs
+
+    # ---- step27: speculative decoding -------------------------------------------------------------------------
+    def _drafting(self) -> bool:
+        """Does this step draft? Not when at least disable_by_batch_size requests are in the engine (running or
+        waiting; speculative.DISABLE_BY_BATCH_SIZE unless the config says): then the step runs as step26's,
+        overlapped if async_scheduling is on. Always, when the config sets it to None."""
+        limit = self.speculative.disable_by_batch_size
+        if limit is None or len(self.scheduler.running) + len(self.scheduler.waiting) < limit:
+            return True
+        self.stats["spec_disabled_steps"] += 1
+        return False
+
+    def _may_draft(self) -> bool:
+        """Could a running request get drafts in the next step? Its newest token may still be on the device (a
+        step in flight): the proposer rules drafts out on the tokens known (NgramProposer.may_propose)."""
+        with self.timers.phase("schedule"):
+            return any(self.proposer.may_propose(seq.token_ids, seq.num_output_placeholders)
+                       for seq in self.scheduler.running)
+
+    def _propose(self, work) -> dict[int, list[int]]:
+        """Drafts for the step's decoding requests: each gets up to k, within what is left of the token budget,
+        what max_tokens leaves (a step emits at most drafts + 1) and the empty blocks (no one is preempted for a
+        guess, and no cached block is evicted for one). The drafts join the sequence's token_ids for this step only,
+        and blocks are taken for their KV. -> {index in work: drafts}."""
+        cfg, bm = self.speculative, self.block_manager
+        budget = self.scheduler.max_num_batched_tokens - sum(n for _, n in work)
+        spec = {}
+        with self.timers.phase("schedule"):  # proposing is host work of the schedule
+            for i, (seq, n) in enumerate(work):
+                if budget <= 0:
+                    break
+                if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:  # a prompt chunk: no drafts
+                    continue
+                k = min(cfg.num_speculative_tokens, budget, seq.params.max_tokens - len(seq.output_ids) - 1)
+                drafts = self.proposer.propose(seq.token_ids, k) if k > 0 else []
+                # empty blocks only: a draft never evicts a cached block (a rejection would hand it back empty)
+                while drafts and not bm.can_allocate_empty(seq, seq.num_tokens + len(drafts)):
+                    drafts.pop()
+                if not drafts:
+                    continue
+                bm.allocate(seq, seq.num_tokens + len(drafts))
+                seq.add_drafts(drafts)  # taken out again by _verify
+                spec[i] = drafts
+                budget -= len(drafts)
+                self.stats["spec_proposed"] += len(drafts)
+        if spec:
+            self.stats["spec_steps"] += 1
+        return spec
+
+    def _verify(self, spec: dict[int, list[int]], scheduled: list[Sequence], logits: torch.Tensor,
+                first_row: list[int]) -> None:
+        """The target's verdict on the drafts (the model runner's verify: each place drawn as a plain step draws it,
+        one wait), then per request: the drafts leave its tokens, the tokens the verdict emits are recorded one by
+        one through the stop checks (a stop inside the run ends it there), and the scheduler counts what has K/V
+        and gives back the blocks of the rejected drafts (postprocess_verified)."""
+        index = sorted(spec)
+        seqs, drafts = [scheduled[i] for i in index], [spec[i] for i in index]
+        places = [first_row[i] + j for i in index for j in range(len(spec[i]) + 1)]  # their rows of logits
+        verdicts = self.runner.verify(logits, places, seqs, drafts)
+        for seq, ds, verdict in zip(seqs, drafts, verdicts):
+            seq.drop_drafts(len(ds))  # the accepted ones come back below, recorded as tokens
+            self.stats["spec_verified"] += 1
+            self.stats["spec_accepted"] += len(verdict.tokens) - 1
+        recorded = [0] * len(seqs)
+        for j in range(max(len(v.tokens) for v in verdicts)):  # the j-th token of every run, through the stop checks
+            live = [i for i, (seq, v) in enumerate(zip(seqs, verdicts)) if len(v.tokens) > j and seq.finish is None]
+            if not live:
+                break
+            self._record_tokens([seqs[i] for i in live], [verdicts[i].tokens[j] for i in live],
+                                [verdicts[i].logprobs[j] for i in live], [verdicts[i].tops[j] for i in live])
+            for i in live:
+                recorded[i] += 1
+        self.stats["spec_cut"] += sum(n < len(v.tokens) for n, v in zip(recorded, verdicts))  # a stop inside a run
+        self.stats["spec_emitted"] += sum(recorded)  # the tokens returned: none past a stop
+        with self.timers.phase("schedule"):
+            self.scheduler.postprocess_verified([(seq, len(v.tokens)) for seq, v in zip(seqs, verdicts)])
+
+    def chat(self, conversations, sampling_params=None) -> list[RequestOutput]:
+        prompts = [self.tokenizer.apply_chat_template(c) for c in check_conversations(conversations)]
+        return self.generate(prompts, sampling_params)
+
+    def _check_stop(self, r: Sequence, last: int, num_outputs: int) -> Finish | None:
+        """-> a Finish once the request must end, else None. Text grows through the request's detokenizer, and
+        stop strings are looked for only where new text could complete one: O(1) per token, not O(n).
+        step25: last is its newest token, its num_outputs-th (num_outputs: len(r.output_ids))."""
+        sp = r.params
+        if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
+            return Finish("stop", None, r.detokenizer.final_text())  # the stop token is not in the text
+        if last in sp.stop_token_ids:
+            return Finish("stop", last, r.detokenizer.final_text())
+        new = r.detokenizer.add(last)
+        if new and sp.stop:
+            text = r.detokenizer.text
+            # A stop string that ends in the new text starts at most len(stop) - 1 characters before it.
+            window_start = max(0, len(text) - len(new) - max(len(s) for s in sp.stop) + 1)
+            window = text[window_start:]
+            hits = [(window.find(s), s) for s in sp.stop if s in window]
+            if hits:
+                cut, stop = min(hits)  # the earliest stop string; the text ends just before it
+                return Finish("stop", stop, text[:window_start + cut])
+        if num_outputs >= sp.max_tokens:
+            return Finish("length", None, r.detokenizer.final_text())
+        return None
+
+    def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for each sequence from its row of logits [B, vocab] in one sampler call (the model
+        runner's), record them, check which sequences must stop."""
+        next_ids, chosen, tops = self.runner.sample(seqs, logits)  # host lists: the step's one wait for the GPU
+        self._record_tokens(seqs, next_ids, chosen, tops)
+
+    def _record_tokens(self, seqs: list[Sequence], next_ids, chosen, tops, read_late: bool = False) -> None:
+        """Append each sequence's new token, check which sequences must stop. step25: read_late, the tokens of a
+        step read one step late (async): each was one of its sequence's placeholders, and the count drops. A
+        sequence that stops drops the placeholders behind its end (a step launched before the end was known)."""
+        with self.timers.phase("sample"):
+            now = time.perf_counter()
+            for seq, top, next_id, logprob in zip(seqs, tops, next_ids, chosen):
+                seq.cumulative_logprob += logprob
+                if seq.logprobs is not None:  # the n most likely tokens and the chosen one: {token_id: logprob}
+                    top[next_id] = logprob
+                    seq.logprobs.append(top)
+                seq.append_token(next_id)
+                if read_late:
+                    seq.num_output_placeholders -= 1
+                seq.metrics.token_times.append(now)
+                seq.metrics.first_token_time = seq.metrics.first_token_time or now
+            self.stats["emitted_tokens"] += len(seqs)
+        with self.timers.phase("detokenize"):
+            for seq, next_id in zip(seqs, next_ids):
+                seq.finish = self._check_stop(seq, next_id, len(seq.output_ids))
+                if seq.finish is not None:
+                    seq.num_output_placeholders = 0  # the tokens launched after its end are thrown away when read
+                    seq.metrics.finished_time = now
+
+    # ---- step25: the overlapped loop ------------------------------------------------------------------------
+    def _step_async(self, partial: bool) -> list[RequestOutput]:
+        """One step of the overlapped loop: (1) schedule step N + 1 and launch its forward and its sampling, reading
+        nothing back; (2) only then read step N's tokens and finish what they finish (_read_step); (3) count step
+        N + 1's tokens as computed, for the requests still running. The device runs step N + 1 during (2), (3) and
+        the next call's (1). A call with nothing to schedule still reads the step in flight."""
+        with self.timers.phase("schedule"):
+            work = self.scheduler.schedule()  # counts step N's tokens as placeholders: one more token each
+        step_n = self.in_flight
+        try:
+            self.in_flight = self._launch(work) if work else None
+            outputs = self._read_step(step_n, partial) if step_n is not None else []
+        except BaseException:  # a launch or a read failed: its requests are dropped, and no step stays in flight
+            self._drop_failed_step(work, step_n)
+            raise
+        if work:
+            with self.timers.phase("schedule"):  # a request step N finished or that was aborted is gone already
+                self.scheduler.postprocess([(seq, n) for seq, n in work if seq.status is SequenceStatus.RUNNING])
+        return outputs
+
+    def _launch(self, work) -> SimpleNamespace | None:
+        """Step N + 1's forward and sampling, queued on the device. A sequence whose newest input is step N's token
+        (a placeholder) has it filled on the device; each sequence that samples gets a placeholder for its token.
+        -> the step in flight: its sampling sequences and its results on their way to the host (None: no sequence
+        samples, every row a chunk before its prompt's end)."""
+        timer = self.timers.phase
+        scheduled = [seq for seq, _ in work]
+        self.timers.steps += 1
+        with timer("schedule"):
+            decodes = sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
+            self.stats["decode_steps"] += bool(decodes)
+            self.stats["decode_rows"] += decodes
+            self.stats["prefill_chunks"] += len(work) - decodes
+            # a sequence gets a token if this step reaches its last token (a prompt chunk before the end does not)
+            rows = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n == seq.num_tokens]
+            # inputs past the tokens the host knows: a sequence's newest one, step N's token, still on the device
+            placeholders = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n > len(seq.token_ids)]
+        logits = self.runner.execute(work, placeholders=placeholders)  # one row per scheduled sequence, in order
+        if not rows:
+            return None
+        with timer("sample"):
+            sampled = [scheduled[i] for i in rows]
+            if len(rows) < len(scheduled):
+                logits = logits[to_device(torch.tensor(rows), logits.device)]
+        results = self.runner.launch_sample(sampled, logits, keep_on_device=True)
+        for seq in sampled:  # after the draw: its keys count the outputs before
+            seq.num_output_placeholders += 1
+        event = results.copies.event
+        return SimpleNamespace(seqs=sampled, results=results, done=lambda: event is None or event.query())
+
+    def _read_step(self, step: SimpleNamespace, partial: bool) -> list[RequestOutput]:
+        """Step N's tokens, read one step late (the wait for the device is here, while step N + 1 is queued behind):
+        each joins its sequence's tokens in place of a placeholder, then what finishes is finished. A sequence that
+        finished at the step before (its token here was computed after its end) or was aborted is skipped: the token
+        is thrown away."""
+        try:
+            next_ids, chosen, tops = self.runner.read_sampled(step.results)
+        except BaseException:  # these sequences counted a token that never came: drop them
+            self._drop(step.seqs)
+            raise
+        live = [i for i, seq in enumerate(step.seqs) if seq.status is not SequenceStatus.FINISHED]
+        self.stats["discarded_tokens"] += len(step.seqs) - len(live)
+        seqs = [step.seqs[i] for i in live]
+        self._record_tokens(seqs, [next_ids[i] for i in live], [chosen[i] for i in live], [tops[i] for i in live],
+                            read_late=True)
+        with self.timers.phase("schedule"):
+            finished = [seq for seq in seqs if seq.finish is not None]
+            for seq in finished:
+                self.scheduler.finish(seq)  # its blocks are released; its place in step N + 1 is thrown away later
+        with self.timers.phase("detokenize"):
+            outputs = [seq.to_output() for seq in finished]
+            if partial:  # the requests that got a token and go on
+                outputs += [seq.partial_output() for seq in seqs if seq.finish is None]
+            return outputs
+
+    def _drop_failed_step(self, work, step_n: SimpleNamespace | None) -> None:
+        """After a launch or a read that failed (_step_async): the sequences of step N + 1 (the work) and of step N are
+        half-updated (placeholders counted for tokens never computed or read), and are dropped; no step is left in
+        flight, whose results a later step would read (after a device error they cannot be read at all)."""
+        self.in_flight = None
+        self._drop([seq for seq, _ in work] + (step_n.seqs if step_n is not None else []))
+
+    def _drop(self, seqs: list[Sequence]) -> None:
+        """Drop these sequences (a failed step left them half-updated): each leaves the queues and frees its blocks,
+        unless it has ended already (then its request id may name a newer request, which is left alone)."""
+        for seq in seqs:
+            if self.scheduler.requests.get(seq.request_id) is seq:
+                self.scheduler.finish(seq)

@@ -1,0 +1,110 @@
+"""The scheduler: which sequences run in the next iteration, and how many of their tokens.
+
+Requests wait in arrival order; up to max_num_seqs of them run at once. Every iteration has a budget of
+max_num_batched_tokens tokens, and one rule: every running request catches up on the tokens that have no KV
+yet, the requests that are least behind first, each taking what it needs or what is left of the budget. There
+are no phases: a decode is a request one token behind, a prompt one many tokens behind. Being least behind,
+the decodes always run; then the prompts that fit whole; a long prompt takes the rest of the budget, over as
+many iterations as it needs, and never stalls the decodes for more than one iteration's budget.
+
+Preemption: KV memory is a pool of blocks (block_manager.py). A request joins only when blocks for its
+tokens are free; it takes one more block each time its last one fills up. When a decode needs a block
+and none is free, the newest running request is preempted: its blocks are released and it
+goes back to the front of the queue, to be recomputed from its tokens later.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from .sequence import SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_manager = block_manager
+        self.num_preemptions = 0
+        self.waiting: deque = deque()  # arrived, not started
+        self.running: list = []  # started: each owns KV blocks
+        self.requests: dict = {}  # every waiting or running request, by request_id
+
+    def add(self, request) -> None:
+        request.status = SequenceStatus.WAITING
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple]:
+        """-> [(request, number of its tokens to compute now)]: a decode's is 1, a prompt chunk's up to the budget."""
+        # Join in arrival order while a seat is free and blocks for the request's tokens are free.
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if not self.block_manager.can_allocate(request, request.num_tokens):
+                if not self.running:  # nobody will ever free a block: only a leak can bring us here
+                    raise RuntimeError(f"KV pool: {self.block_manager.num_free_blocks} free blocks cannot hold a "
+                                       f"request of {request.num_tokens} tokens with nothing running (blocks leaked?)")
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = SequenceStatus.RUNNING
+            request.num_computed_tokens = self.block_manager.allocate(request, request.num_tokens)  # prefix hits
+        budget, work = self.max_num_batched_tokens, []
+        behind = lambda r: r.num_tokens - r.num_computed_tokens  # noqa: E731  tokens with no KV yet
+        for r in sorted(self.running, key=behind):  # stable: equally behind, the older request first
+            if budget == 0:
+                break
+            if r.status is not SequenceStatus.RUNNING:  # preempted while making room for a request before it
+                continue
+            if behind(r) == 1 and not self._make_room(r):  # its newest token may need a new block
+                continue
+            n = min(behind(r), budget)
+            work.append((r, n))
+            budget -= n
+        return work
+
+    def postprocess(self, work: list[tuple]) -> None:
+        """After the forward: the scheduled tokens now have K/V in the cache; newly full blocks can be shared."""
+        for seq, n in work:
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+
+    def postprocess_verified(self, verified: list[tuple]) -> None:
+        """step27: after a verify step, [(request, tokens its verdict emitted)]: its newest token and its accepted
+        drafts now have K/V (a run a stop cut short keeps every token it kept: each was an accepted draft), its newly
+        full blocks can be shared (a request that finished here too, before its blocks are released), and the
+        blocks taken for its rejected drafts go back to the pool."""
+        for seq, n in verified:
+            seq.num_computed_tokens = min(seq.num_computed_tokens + n, seq.num_tokens)
+            self.block_manager.cache_full_blocks(seq)
+            if seq.finish is None:
+                self.block_manager.trim(seq, seq.num_tokens)
+
+    def _make_room(self, request) -> bool:
+        """Give request room for its newest token (block_manager.append), preempting the newest requests if no
+        block is free. False if request itself had to be preempted."""
+        while not self.block_manager.can_append(request):
+            victim = self.running[-1]  # the newest running request
+            self.preempt(victim)
+            if victim is request:
+                return False
+        self.block_manager.append(request)
+        return True
+
+    def preempt(self, request) -> None:
+        """Free the request's blocks and send it back to the front of the queue; it is recomputed later."""
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        request.status = SequenceStatus.PREEMPTED
+        self.block_manager.release(request)
+        request.num_computed_tokens = 0
+        self.num_preemptions += 1
+
+    def finish(self, request) -> None:
+        """The request leaves for good (finished, or aborted while waiting or running), releasing its KV memory."""
+        (self.running if request.status is SequenceStatus.RUNNING else self.waiting).remove(request)
+        del self.requests[request.request_id]
+        self.block_manager.release(request)
+        request.status = SequenceStatus.FINISHED

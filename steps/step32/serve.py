@@ -1,0 +1,445 @@
+"""step24: an OpenAI-compatible HTTP server on top of step23's streaming engine (AsyncLLM).
+
+step26: the same server, whose AsyncLLM runs the engine in a core process of its own (engine_core.py): this process
+keeps HTTP, JSON, the tokenizer and the detokenizer, and imports neither torch nor the engine (what it reports of
+the core, /stats, comes over the wire); the core keeps the scheduler and the model. A core that dies
+(killed, or its loop failed) ends every open stream with an error event, answers a request it was serving with 500,
+and every later request, /health included, with 503. A core that fails to start ends the server with its error on
+one line. SIGINT or SIGTERM stops the server and the core, exit status 0.
+
+    python steps/step27/serve.py --model smollm2-135m [--host 127.0.0.1] [--port 8000] [--api-key K] [engine options]
+
+Endpoints (OpenAI's API, as vLLM serves it):
+
+    GET  /health                 200 while the engine runs, 503 once it has stopped (shut down, or dead)
+    GET  /v1/models              the one model served
+    POST /v1/completions         a prompt (text or token ids) -> text; "stream": true for server-sent events
+    POST /v1/chat/completions    messages -> the assistant's reply (the model's chat template); streams the same way
+    GET  /stats                  this server's own: requests running and waiting, free KV blocks, steps
+
+A request's fields: model, prompt / messages, max_tokens (max_completion_tokens), temperature, top_p, top_k, min_p,
+stop, seed, n (1), logprobs (and top_logprobs for chat), ignore_eos, stream, stream_options.include_usage. Without
+max_tokens a completion makes 16 tokens (OpenAI's default) and a chat reply may run to the end of the context
+(vLLM's), or of the KV pool where that is smaller. Fields this server does not know are ignored, as vLLM ignores
+them, and named in the response's `x-ignored-fields` header; fields it knows but does not implement (n > 1, echo,
+best_of, a penalty, logit_bias, ...) are refused with 400 rather than silently misread.
+
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON, an invalid
+value (the engine's own ValueError text) or a prompt beyond the context; 404 for another model; 401 without the key
+when --api-key is set; 500 when the engine step serving the request failed; 503 once the engine is dead (its step
+loop stopped on an error: every request then gets 503, and /health too, so that a supervisor restarts the server). A
+client that goes away mid-request aborts it: its KV blocks are free at once.
+
+Streaming is server-sent events (SSE): each chunk is a line `data: {json}` and a blank line, the text in each
+chunk is what is new since the one before (the engine's cumulative text, differenced), and the stream ends with
+`data: [DONE]`.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `shared` importable
+    # the root on the path, this folder off it: a module here (kernels/) would hide an installed one
+    sys.path[:] = [str(Path(__file__).resolve().parents[2])] + [
+        p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    __package__ = "steps." + Path(__file__).parent.name
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import time
+import uuid
+
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from shared import ContextLengthExceededError, SamplingParams, check_messages
+
+from shared.threads import threads_cpu_s
+
+from .async_llm import AsyncLLM, EngineDeadError, EngineShutDown, EngineStartError, EngineStepError
+from .wire import KV_CACHE_DTYPES
+
+# OpenAI fields this server reads (each checked) or knows to be harmless (user: an end-user id, for their logs).
+KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+         "min_p", "stop", "seed", "n", "logprobs", "top_logprobs", "ignore_eos", "stream", "stream_options", "user"}
+# OpenAI fields with a meaning this server does not implement: refused unless they hold their default
+UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "logit_bias": None, "presence_penalty": 0,
+               "frequency_penalty": 0, "tools": None, "tool_choice": None, "response_format": None,
+               "functions": None, "function_call": None, "parallel_tool_calls": None}
+
+
+class APIError(Exception):
+    """An error the client gets back, in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ---- a request's body -> the engine's inputs ------------------------------------------------------------------
+def parse_body(raw: bytes) -> tuple[dict, list[str]]:
+    """The JSON object of a request -> (the object, the fields ignored). APIError(400) for anything else."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON in the request body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    for name, default in UNSUPPORTED.items():
+        value = body.get(name, default)
+        if value not in (default, None) and value != [] and value != {}:  # only a default (or empty) value passes
+            raise APIError(400, f"{name}={value!r} is not supported by this server", param=name)
+    if body.get("n", 1) != 1:
+        raise APIError(400, f"n={body['n']!r}: this server returns one choice per request (n=1)", param="n")
+    ignored = sorted(set(body) - KNOWN - set(UNSUPPORTED))
+    return body, ignored
+
+
+def sampling_params(body: dict, chat: bool, room: int) -> SamplingParams:
+    """The request's sampling fields -> SamplingParams (OpenAI's defaults: temperature 1, 16 tokens for a completion;
+    a chat reply may run to the end of the context, as vLLM's does: `room` tokens, what its prompt leaves). A
+    temperature above 2, outside OpenAI's range, is an APIError naming it; ValueError names any other bad value."""
+    if chat:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = room if max_tokens is None else max_tokens
+        logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
+        if body.get("logprobs") not in (None, True, False):
+            raise ValueError(f"logprobs must be true or false for a chat completion, got {body['logprobs']!r}")
+    else:
+        max_tokens = body.get("max_tokens", 16)
+        logprobs = body.get("logprobs")
+    options = dict(temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
+                   top_k=body.get("top_k", -1), min_p=body.get("min_p", 0.0), stop=body.get("stop"),
+                   seed=body.get("seed"), logprobs=logprobs, ignore_eos=body.get("ignore_eos", False))
+    for name in ("temperature", "top_p", "top_k", "min_p", "ignore_eos"):
+        if options[name] is None:  # JSON null: the default
+            options.pop(name)
+    temperature = options.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 2:
+        raise APIError(400, f"temperature must be in [0, 2] (OpenAI's range), got {temperature!r}", param="temperature")
+    return SamplingParams(**options, **({"max_tokens": max_tokens} if max_tokens is not None else {}))
+
+
+class Server:
+    """The app's state: the engine, the model's name, the key; and the handlers, one per endpoint."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, api_key: str | None = None):
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.created = int(time.time())
+
+    def check_key(self, headers) -> None:
+        if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
+            raise APIError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is None:
+            raise APIError(400, "model is required", param="model")
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "llm-steps", "max_model_len": self.engine.llm.max_model_len}]}
+
+    async def stats(self) -> dict:
+        # step26: the core's state (wire.py's Stats, which it sends between two of its steps when asked: its
+        # counters, CPU seconds, torch threads, and the engine's counters under "engine"), and this process's own
+        core = await self.engine.get_stats()
+        return {**self.engine.snapshot(), **core, "process_cpu_s": time.process_time(),  # this process's CPU time
+                "front_end_threads_cpu_s": threads_cpu_s()}  # ... by thread: the event loop, the core's reader
+
+    def room(self, prompt_len: int) -> int:
+        """The tokens a reply may take after a prompt of prompt_len tokens: the rest of the model's context, or of the
+        KV pool where that is smaller (a request must fit in it alone). At least 1: a prompt that fills the context
+        gets the engine's own error."""
+        llm = self.engine.llm
+        pool = llm.block_manager.num_blocks * llm.block_manager.block_size
+        return max(1, min(llm.max_model_len, pool) - prompt_len)
+
+    def prompt(self, body: dict, chat: bool):
+        """The prompt the engine runs: text or token ids (a completion), the chat template's ids (a chat)."""
+        tokenizer = self.engine.tokenizer
+        if chat:
+            if "messages" not in body:
+                raise APIError(400, "messages is required", param="messages")
+            try:
+                messages = check_messages(body["messages"], "messages")
+                return tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
+            except ValueError as e:  # a bad message, or a model without a chat template
+                raise APIError(400, str(e), param="messages") from None
+        if "prompt" not in body:
+            raise APIError(400, "prompt is required", param="prompt")
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
+        if not isinstance(prompt, (str, list)):  # a bare number is no prompt (the engine would read it as [id])
+            raise APIError(400, f"prompt must be a string or a list of token ids, got {type(prompt).__name__} "
+                                f"({prompt!r:.40})", param="prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            raise APIError(400, f"this server takes one prompt per request, got {len(prompt)}", param="prompt")
+        return prompt
+
+    # ---- one completion ---------------------------------------------------------------------------------
+    def check_running(self) -> None:
+        if not self.engine.is_running:
+            why = str(self.engine.dead_error) if self.engine.errored else "the engine is shut down"
+            raise APIError(503, why, kind="server_error")
+
+    def start(self, body: dict, chat: bool):
+        """Check everything, then submit: -> (request id, its output stream, the prompt's token count)."""
+        self.check_running()
+        prompt = self.prompt(body, chat)
+        try:
+            params = sampling_params(body, chat, self.room(len(prompt)) if chat else 0)
+            text, ids, sp = self.engine.llm.check_request(prompt, params)
+        except (ValueError, TypeError) as e:  # the engine's error type says which code it is
+            code = "context_length_exceeded" if isinstance(e, ContextLengthExceededError) else None
+            raise APIError(400, str(e), code=code) from None
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        return request_id, self.engine.generate(ids, sp, request_id), len(ids), sp
+
+    def choice_logprobs(self, out, sp, chat: bool, first: int = 0):
+        """The logprobs of tokens first.. of the output, in the endpoint's shape (None when not asked for)."""
+        c = out.outputs[0]
+        if c.logprobs is None:
+            return None
+        name = lambda t: self.engine.tokenizer.decode([t])  # noqa: E731  (a token's own text)
+        ids, dicts = c.token_ids[first:], c.logprobs[first:]
+        if chat:
+            return {"content": [{"token": name(t), "logprob": d[t], "bytes": list(name(t).encode()),
+                                 "top_logprobs": [{"token": name(k), "logprob": v, "bytes": list(name(k).encode())}
+                                                  for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:sp.logprobs]]}
+                                for t, d in zip(ids, dicts)]}
+        return {"tokens": [name(t) for t in ids], "token_logprobs": [d[t] for t, d in zip(ids, dicts)],
+                "top_logprobs": [{name(k): v for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:sp.logprobs]}
+                                 for d in dicts], "text_offset": None}
+
+    def response(self, request_id: str, out, prompt_tokens: int, sp, chat: bool) -> dict:
+        c = out.outputs[0]
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(c.token_ids),
+                 "total_tokens": prompt_tokens + len(c.token_ids)}
+        logprobs = self.choice_logprobs(out, sp, chat)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason}
+        else:
+            choice = {"index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": [choice], "usage": usage}
+
+    async def complete(self, stream, is_disconnected):
+        """Read a request's stream to its end -> its last output; the client going away aborts it."""
+        async def consume():
+            last = None
+            async for out in stream:
+                last = out
+            return last
+
+        task = asyncio.ensure_future(consume())
+        try:
+            while True:
+                done, _ = await asyncio.wait([task], timeout=0.25)
+                if done:
+                    return task.result()
+                if await is_disconnected():
+                    return None
+        finally:
+            if not task.done():  # cancelled in generate(): its finally aborts the request
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def sse(self, request_id: str, stream, prompt_tokens: int, sp, chat: bool, include_usage: bool):
+        """The stream as server-sent events: a chunk per output with the new text, then usage (if asked), [DONE]."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+
+        def chunk(choice: dict | None, usage: dict | None = None) -> str:
+            body = {"id": request_id, "object": kind, "created": created, "model": self.model_name,
+                    "choices": [choice] if choice is not None else []}
+            if include_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        sent_text, sent_tokens, out = "", 0, None
+        try:
+            if chat:
+                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            async for out in stream:
+                c = out.outputs[0]
+                new = c.text[len(sent_text):]
+                if not new and not out.finished and len(c.token_ids) == sent_tokens:
+                    continue
+                logprobs = self.choice_logprobs(out, sp, chat, first=sent_tokens)
+                reason = c.finish_reason if out.finished else None
+                if chat:
+                    choice = {"index": 0, "delta": {"content": new} if new else {}, "logprobs": logprobs,
+                              "finish_reason": reason}
+                else:
+                    choice = {"index": 0, "text": new, "logprobs": logprobs, "finish_reason": reason}
+                yield chunk(choice)
+                sent_text, sent_tokens = c.text, len(c.token_ids)
+            if include_usage and out is not None:
+                n = len(out.outputs[0].token_ids)
+                yield chunk(None, {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                   "total_tokens": prompt_tokens + n})
+        except (EngineStepError, EngineShutDown, EngineDeadError) as e:  # the headers are sent: an error event
+            yield f"data: {json.dumps(APIError(500, str(e), kind='server_error').body())}\n\n"
+        finally:
+            await stream.aclose()  # a client gone mid-stream: generate()'s finally aborts the request
+        yield "data: [DONE]\n\n"
+
+
+def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
+    """The FastAPI app serving `engine` under `model_name`. Its shutdown stops the engine."""
+    server = Server(engine, model_name, api_key)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.shutdown()  # the server stops (SIGINT, SIGTERM): so does the engine, its workers with it
+
+    app = FastAPI(title="llm-steps step27", lifespan=lifespan)
+    app.state.server = server
+
+    # Every handler raises its errors; these turn them into OpenAI's shape, in one place.
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(EngineStepError)
+    @app.exception_handler(EngineShutDown)
+    @app.exception_handler(EngineDeadError)
+    async def engine_error(request: Request, e: Exception):  # the engine failed while it served the request
+        status = 503 if isinstance(e, EngineDeadError) else 500  # dead: so is every request after this one
+        return JSONResponse(APIError(status, str(e), kind="server_error").body(), status_code=status)
+
+    async def require_key(request: Request) -> None:  # a dependency of every /v1 endpoint
+        server.check_key(request.headers)
+
+    v1 = [Depends(require_key)]
+
+    @app.get("/health")
+    async def health():
+        server.check_running()  # 503 once the engine's step loop is gone
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/stats")
+    async def stats():
+        return JSONResponse(await server.stats())
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models():
+        return JSONResponse(server.models())
+
+    async def completion(request: Request, chat: bool):
+        body, ignored = parse_body(await request.body())
+        server.check_model(body)
+        request_id, stream, prompt_tokens, sp = server.start(body, chat)
+        headers = {"x-ignored-fields": ",".join(ignored)} if ignored else {}
+        if body.get("stream"):
+            options = body.get("stream_options") or {}
+            return StreamingResponse(server.sse(request_id, stream, prompt_tokens, sp, chat,
+                                                bool(options.get("include_usage"))),
+                                     media_type="text/event-stream", headers=headers)
+        try:
+            out = await server.complete(stream, request.is_disconnected)
+        except EngineDeadError as e:  # step26: the core died while it served this request (later ones get 503)
+            raise APIError(500, str(e), kind="server_error") from e
+        if out is None or out.outputs[0].finish_reason == "abort":  # the client went away: nobody reads this
+            raise APIError(499, "the client closed the request", kind="client_closed")
+        return JSONResponse(server.response(request_id, out, prompt_tokens, sp, chat), headers=headers)
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(request: Request):
+        return await completion(request, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(request: Request):
+        return await completion(request, chat=True)
+
+    return app
+
+
+def engine_arg_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="the model served, and its name in the API")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests in one step (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-kv-tokens", type=int, default=None, help="the KV pool (default: the engine's)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--speculative-config", type=json_object, default=None,
+                        help='step27: n-gram drafts, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    return parser
+
+
+def json_object(text: str) -> dict:
+    """--speculative-config's value: a JSON object (vLLM's form of the option)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
+def engine_options(args) -> dict:
+    return dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_kv_tokens=args.max_kv_tokens,
+                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+                enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+                speculative_config=args.speculative_config)
+
+
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def main() -> None:
+    parser = engine_arg_parser(__doc__)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    args = parser.parse_args()
+    if not 0 <= args.port < 65536:
+        parser.error(f"argument --port: must be in 0..65535, got {args.port}")
+    import uvicorn
+
+    # step26: SIGTERM ends the process as SIGINT does, with exit status 0: uvicorn stops on either, then raises the
+    # signal again to the handler it found, this one (whose default would kill the process, status -15); one that
+    # arrives while the core starts ends the start the same way (the core is stopped at exit)
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        engine = AsyncLLM(args.model, **engine_options(args))
+    except ValueError as e:  # bad input: one `error:` line, exit status 2
+        parser.error(str(e))
+    except EngineStartError as e:  # step26: the core process failed to start: its error on one line, exit status 1
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    print(f"serving {args.model} on http://{args.host}:{args.port}/v1 ({engine.llm.backend})", flush=True)
+    uvicorn.run(build_app(engine, args.model, args.api_key), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""A rank: how one is built, and the worker processes that hold ranks 1..N-1 (parallel.py says how the model is cut).
+
+build_rank is the whole of a rank's set-up, from the engine's config (config.py): its share of the model, the
+attention backend, the KV cache and the CUDA graphs. Rank 0 (the engine, in the user's process) and every worker run
+this same build, so the collectives inside it (the profiled forward that sizes the cache, the captures) meet.
+
+Rank 0 starts the workers with the spawn method, each given the config (start_tensor_parallel), and keeps a handle
+on them (Workers): a pipe per worker for its doorbell and its words (hello, ready, error, its block-table rows), and
+the process to watch. A worker's life is worker_main: join the group, build, say ready, then run every step rank 0
+announces, until told to stop or orphaned (the pipe closes with rank 0's process).
+
+Layers: engine.py imports this module; this module imports the engine's config (config.py), the model, the runner,
+the attention backends and parallel.py; none of those imports it back.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import torch
+
+from .attention import BACKENDS
+from .config import EngineConfig
+from .model import CausalLM
+from .model_runner import ModelRunner
+from .parallel import (TIMEOUT_S, TensorParallel, WorkerError, free_port, pack_work, rank_device,  # noqa: F401
+                       unpack_work)
+from .timers import PhaseTimers
+
+
+def graphs_off_reason(enforce_eager: bool, device: torch.device, attention_backend: str) -> str | None:
+    """Why this engine runs without CUDA graphs, or None when it captures them."""
+    if enforce_eager:
+        return "enforce_eager=True"
+    if device.type != "cuda":
+        return f"the device is {device.type}: CUDA graphs need a CUDA GPU"
+    if attention_backend != "triton":
+        return "attention_backend='torch' builds each step's metadata on the host, so it cannot be replayed"
+    return None
+
+
+def new_stats() -> dict:
+    """The engine's counters. rows: summed. step21: graph_replays (forwards replayed from a graph), eager_forwards,
+    padded_rows (rows added to fill a bucket), syncs (waits for the GPU: one per step that samples, on CUDA).
+    step27: verify_replays (verify steps replayed from a graph)."""
+    return {"prefill_chunks": 0, "decode_steps": 0, "decode_rows": 0, "forwards": 0, "graph_replays": 0,
+            "eager_forwards": 0, "padded_rows": 0, "syncs": 0, "verify_replays": 0}
+
+
+def build_rank(config: EngineConfig, device: torch.device, tp: TensorParallel):
+    """One rank's model runner, as the engine's config says: its share of the model, the attention backend, the KV
+    cache (sized, on CUDA, by a profiled forward) and the CUDA graphs. Rank 0 (the engine) and every worker run this
+    same build, on its own device, so the collectives in its forwards meet. step27: the verify steps' graphs too
+    (config.verify_graphs: k + 1 tokens per row, up to the largest batch that drafts). -> (runner, memory,
+    cuda_graphs)."""
+    c = config
+    model = CausalLM.from_pretrained(c.model_dir, device, c.dtype, tp, c.gguf_file, c.quantization,
+                                     c.enable_expert_parallel)
+    # One object decides how attention runs: its metadata every step (the runner), its attention every layer
+    # (the model). attention.py: TorchAttention (step14_7's loop) or TritonAttention (the kernels).
+    model.attention_backend = BACKENDS[c.attention_backend](model.config, device)
+    if c.attention_backend == "triton":  # the kernels' path: the layer's elementwise groups fused (kernels/fused.py)
+        from .kernels.fused import TritonLayerOps
+        model.ops = TritonLayerOps()
+    off = graphs_off_reason(c.enforce_eager, device, c.attention_backend)
+    runner = ModelRunner(model, device, c.dtype, PhaseTimers(device), new_stats(), c.kv_cache_dtype,
+                         use_graphs=off is None, max_num_seqs=c.max_num_seqs, verify=c.verify_graphs)
+    warmup_tokens = min(c.max_num_batched_tokens, c.max_model_len)  # the largest step: its forward is profiled
+    memory = runner.allocate_kv_cache(c.max_kv_tokens, c.block_size, warmup_tokens, c.gpu_memory_utilization)
+    # CUDA graphs: captured now, on the allocated cache (the graphs record its addresses)
+    graphs = {"enabled": off is None, "reason": off}
+    if off is None:
+        graphs.update(runner.capture_graphs(c.block_size))
+        memory["graph_pool_bytes"] = graphs["pool_bytes"]
+    return runner, memory, graphs
+
+
+def start_tensor_parallel(config: EngineConfig, device: torch.device):
+    """Start the N - 1 workers (N: config.tensor_parallel_size) and join the group as rank 0, on `device`.
+    -> (Workers, rank 0's TensorParallel)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel engine is already running in this process: shutdown() it first "
+                           "(torch.distributed holds one group per process)")
+    workers = Workers(config, device)
+    try:
+        workers.wait_started()
+        tp = TensorParallel.connect(0, workers.size, workers.init_method, rank_device(device, 0), workers.timeout_s)
+    except BaseException:
+        workers.shutdown()
+        raise
+    return workers, tp
+
+
+def stop_tensor_parallel(workers: Workers, tp: TensorParallel) -> None:
+    workers.shutdown()
+    tp.close()
+
+
+# ---- the worker processes ----------------------------------------------------------------------------------------
+class Workers:
+    """Rank 0's handle on ranks 1..N-1: starts them, rings their doorbells, stops them. Holds no reference to the
+    engine, so the engine's finaliser can stop them when the engine goes away."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, timeout_s: float = TIMEOUT_S):
+        import multiprocessing as mp
+
+        self.size, self.timeout_s = config.tensor_parallel_size, timeout_s
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.failed: str | None = None
+        self.processes, self.conns = [], []
+        ctx = mp.get_context("spawn")
+        for rank in range(1, self.size):
+            parent_end, child_end = ctx.Pipe()
+            p = ctx.Process(target=worker_main, name=f"tp-worker-{rank}", daemon=True,
+                            args=(rank, self.size, self.init_method, str(device), config, child_end, timeout_s))
+            p.start()
+            child_end.close()
+            self.processes.append(p)
+            self.conns.append(parent_end)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def wait_started(self) -> None:
+        """Every worker has started (its imports done) and is joining the group: wait for each one's word."""
+        self._wait_all("hello")
+
+    def wait_ready(self) -> None:
+        """Every worker has loaded its shard and built its cache (and graphs): wait for each one's word."""
+        self._wait_all("ready")
+
+    def _wait_all(self, word: str) -> None:
+        for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            self._expect(rank, p, conn, word)
+
+    def _expect(self, rank: int, p, conn, word: str):
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if conn.poll(0.1):
+                try:
+                    kind, detail = conn.recv()
+                except EOFError:
+                    break
+                if kind == word:
+                    return detail
+                self._fail(f"tensor-parallel worker {rank} (pid {p.pid}) failed:\n{detail}")
+            if not p.is_alive():
+                break
+        self.check_alive()
+        self._fail(f"tensor-parallel worker {rank} (pid {p.pid}) did not get {word} within {self.timeout_s:.0f} s")
+
+    def _fail(self, message: str):
+        self.failed = self.failed or message
+        raise WorkerError(message)
+
+    def stop_steps(self, reason: str) -> None:
+        """No step may run any more (the ranks are out of step): every later step raises WorkerError(reason)."""
+        self.failed = self.failed or reason
+
+    def failure(self, wait_s: float) -> str | None:
+        """What a worker reported or how it ended, waiting up to wait_s for it: after rank 0's own build failed (a
+        worker's error usually comes first, and rank 0's collective only saw the connection close). None: none."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
+                try:
+                    if conn.poll(0):
+                        kind, detail = conn.recv()
+                        if kind == "error":
+                            return f"tensor-parallel worker {rank} (pid {p.pid}) failed:\n{detail}"
+                except (EOFError, OSError):
+                    pass
+                if not p.is_alive():
+                    return f"tensor-parallel worker {rank} (pid {p.pid}) died with exit code {p.exitcode}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+
+    def check_alive(self) -> None:
+        """Raise WorkerError if a worker is gone or failed (or did before): checked before every step."""
+        if self.failed:
+            raise WorkerError(self.failed + " (the engine stopped: shutdown() it and make a new LLM)")
+        failure = self.failure(wait_s=0)
+        if failure:
+            self._fail(failure)
+
+    def start_step(self, tp: TensorParallel, work, changes, placeholders=(), share_tokens: bool = False) -> None:
+        """Ring every doorbell (the size of the step's inputs), then broadcast the inputs (the work and its
+        block-table changes): the workers run the same forward as rank 0 from here. step25: placeholders, the work's
+        rows whose last input is filled on the device (pack_work); share_tokens, the doorbell says "step+tokens":
+        after the forward each worker also receives rank 0's last_token."""
+        self.check_alive()
+        packed = pack_work(work, changes, placeholders)
+        try:
+            for conn in self.conns:
+                conn.send(("step+tokens" if share_tokens else "step", packed.numel()))
+            tp.broadcast_inputs(packed, packed.numel())
+        except Exception as e:  # a pipe or a socket closed under us: a worker went away mid-step
+            # its end may show a moment after its socket closed (a killed process is reaped after the reset)
+            self._fail(self.failure(wait_s=1) or f"tensor-parallel step failed: {e}")
+
+    def block_tables(self) -> list[dict[int, list[int]]]:
+        """Each worker's block-table rows as it holds them now, {row: its blocks} (BlockTables.held), asked between
+        steps: what a test compares with rank 0's own rows. A worker hears of no release: a row rank 0 has freed
+        keeps its last table there until rank 0 hands the row out again, whole from its first entry."""
+        self.check_alive()
+        for conn in self.conns:
+            conn.send(("tables", None))
+        return [self._expect(rank, p, conn, "tables")
+                for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1)]
+
+    def shutdown(self) -> None:
+        """Stop every worker and wait for it (stop words first, then SIGTERM, then SIGKILL); idempotent."""
+        for conn in self.conns:
+            try:
+                conn.send(("stop", None))
+            except (OSError, ValueError):
+                pass
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        self.failed = self.failed or "the engine was shut down"
+
+
+def worker_main(rank: int, size: int, init_method: str, device: str, config: EngineConfig, conn,
+                timeout_s: float) -> None:
+    """A worker's life: join the group, build this rank's model runner (the same build as rank 0's, collective for
+    collective), say ready, then run every step rank 0 announces until told to stop or orphaned."""
+    try:
+        conn.send(("hello", os.getpid()))
+        device = rank_device(torch.device(device), rank)
+        if device.type == "cpu":  # the ranks share the machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        tp = TensorParallel.connect(rank, size, init_method, device, timeout_s)
+        runner, _, _ = build_rank(config, device, tp)
+        conn.send(("ready", None))
+        while True:
+            kind, numel = conn.recv()  # the doorbell; EOFError once rank 0's process is gone
+            if kind == "stop":
+                tp.close()
+                return
+            if kind == "tables":  # rank 0 asks for this worker's block-table rows
+                conn.send(("tables", runner.block_tables.held()))
+                continue
+            work, changes, placeholders = unpack_work(tp.broadcast_inputs(None, numel), runner.block_tables)
+            runner.execute(work, changes, placeholders)
+            if kind == "step+tokens":  # step25: rank 0's sampled tokens, for this rank's placeholders' inputs
+                tp.broadcast_tokens(runner.last_token)
+    except (EOFError, KeyboardInterrupt):
+        return
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        raise SystemExit(1)
