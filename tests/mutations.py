@@ -525,6 +525,18 @@ MUTATIONS = [
         "    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m\n",
         "    padded = counts[:num_experts]\n",
         ("tests/test_part10_moe.py::test_fused_moe_equals_the_loop[5-2-None-random]",)),
+    Mutation(
+        "step32-restore-wrong-slot", "step32's host tier restores a block from the slot after the right one",
+        "steps/step32/offload.py",
+        "                data[:, :, b].copy_(self.data[a], non_blocking=non_blocking)\n",
+        "                data[:, :, b].copy_(self.data[(a + 1) % self.num_slots], non_blocking=non_blocking)\n",
+        ("tests/test_part10_offload.py::test_evicted_blocks_come_back_from_host_memory",)),
+    Mutation(
+        "step32-copies-out-of-order", "step32's host tier runs the queued copy-backs before the copy-outs",
+        "steps/step32/offload.py",
+        "        queue, self.queue = self.queue, []\n",
+        "        queue, self.queue = sorted(self.queue, key=lambda op: op[0] == \"out\"), []\n",
+        ("tests/test_part10_offload.py::test_a_block_evicted_again_before_its_restore_ran",)),
     # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a placeholder's input id (0) instead "

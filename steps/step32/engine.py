@@ -38,7 +38,8 @@ fp32 scale per token and KV head, or step30's "fp8" / "fp8_e4m3": float8 e4m3 wi
 enforce_eager (False: decode steps replay CUDA graphs where they can;
 llm.cuda_graphs says whether they do and why not), tensor_parallel_size (default 1; N: this process is rank 0, with
 N - 1 worker processes, joined by two all-reduces per layer), async_scheduling and step31's enable_expert_parallel (a
-mixture of experts over N ranks: E / N whole experts on each rank, instead of 1/N of every expert). How the engine grew, step by
+mixture of experts over N ranks: E / N whole experts on each rank, instead of 1/N of every expert) and step32's
+kv_offloading_size (a host-memory tier under the prefix cache, in GiB: offload.py). How the engine grew, step by
 step, is in the step's README.
 
 Speculative decoding (speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,

@@ -1,16 +1,11 @@
-"""step31 demo: a mixture of experts. A Qwen3-MoE layer's MLP is E experts and a router: each token runs its k most
-probable experts, and the layer adds their outputs weighted by the router's probabilities (renormalised when the
-model's config says norm_topk_prob). The engine loads HF's Qwen3MoeForCausalLM checkpoints (model_type "qwen3_moe",
-one tensor per expert and projection, stacked on load). The torch path loops over the experts that got tokens (two
-matmuls each); the Triton path (kernels/moe.py) sorts the (token, expert) pairs by expert and runs every expert in
-one grouped GEMM per projection: two launches a layer, whatever the routing, and a shape fixed by the token count,
-so a CUDA graph holds it. tensor_parallel_size=N cuts each expert's width over N ranks; with
-enable_expert_parallel=True each rank holds E / N whole experts instead. The lesson runs --moe-model (a random
-model of a real MoE shape) on one question, shows how its tokens spread over the experts, and runs it through the
-loop and the fused kernels (in Triton's interpreter on a CPU): the same tokens, 2 launches a layer against the
-loop's 2 per expert hit. Then the dense --model through step30 and this step: equal, token for token."""
+"""step32 demo: a second tier for the KV cache in host memory. kv_offloading_size (GiB, vLLM's name) gives the prefix
+cache a pool of host blocks (pinned on CUDA): a cached block the GPU pool evicts is copied there first, keyed by its
+hash, and a prompt whose blocks the GPU no longer holds finds them there, each copied back into a GPU block before
+the forward that reads it (offload.py; on CUDA the copies run on a side stream, in the order asked). The lesson runs
+a multi-turn chat, each turn sent whole, in a KV pool a quarter of its working set, through two engines of this
+step, one with the tier and one without: the same answers, and how many prompt tokens each computed turn by turn.
+Then this step against step31 on one request: equal, token for token."""
 import sys
-from collections import Counter
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `shared` importable
@@ -21,76 +16,77 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 
 
 from shared import SamplingParams
-from shared.anatomy import anatomy_arg_parser, before_after, compared_options, demo_options, interpreter_off_cuda
+from shared.anatomy import anatomy_arg_parser, before_after, compared_options, demo_options
 from shared.cli import answer_question, format_table, print_header, user_errors
+
+from .engine import LLM
+
+CONVERSATIONS, TURNS, SYSTEM, USER = 4, 3, 48, 16  # the lesson's chat: a shared system prompt, then user turns
 
 
 def main() -> None:
     parser = anatomy_arg_parser(__doc__)
-    parser.set_defaults(requests=1, lesson_tokens=8)
-    parser.add_argument("--moe-model", default="random:tiny-qwen3-moe",
-                        help="the mixture of experts of the lesson (default random:tiny-qwen3-moe: 8 experts, 2 a "
-                             "token); its fused path runs in Triton's interpreter on a CPU")
+    parser.set_defaults(requests=1, lesson_tokens=16)
+    parser.add_argument("--kv-offloading-size", type=float, default=0.25,
+                        help="the host tier of the step's own engine, in GiB (default 0.25; 0: none)")
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
-        interpreter_off_cuda(args)  # before anything imports triton: the fused experts run in the interpreter here
-        from .engine import LLM
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))
-        print_header("step31: a mixture of experts, one grouped GEMM per projection", llm)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_offloading_size=args.kv_offloading_size,
+                  **demo_options(args))
+        print_header("step32: a second tier for the KV cache, in host memory", llm)
         answer_question(llm, args)
         show_lesson(llm, args)
 
 
-def routed(engine) -> list[Counter]:
-    """Wrap engine's ops.experts to count, per sparse layer call, how many tokens chose each expert (every forward)."""
-    calls, experts = [], engine.model.ops.experts
+def chat(engine, args, vocab: int):
+    """CONVERSATIONS chats of TURNS turns, each turn sent whole -> (answers, per turn: prompt tokens, tokens computed,
+    blocks restored from host memory)."""
+    import torch
 
-    def counting(h, weights, chosen, gate_up, down):
-        calls.append(Counter(chosen.flatten().tolist()))
-        return experts(h, weights, chosen, gate_up, down)
-
-    engine.model.ops.experts = counting
-    return calls
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(0, vocab, (SYSTEM,), generator=g).tolist()
+    history = [system + torch.randint(0, vocab, (USER,), generator=g).tolist() for _ in range(CONVERSATIONS)]
+    sp = SamplingParams(temperature=0, max_tokens=args.lesson_tokens, ignore_eos=True)
+    answers, turns = [], []
+    for _ in range(TURNS):
+        saved, restored = engine.block_manager.stats["tokens_saved"], engine.stats.get("host_restores", 0)
+        outs = engine.generate(history, sp)
+        prompt = sum(map(len, history))
+        turns.append((prompt, prompt - (engine.block_manager.stats["tokens_saved"] - saved),
+                      engine.stats.get("host_restores", 0) - restored))
+        answers.append([o.outputs[0].token_ids for o in outs])
+        history = [h + list(o.outputs[0].token_ids) + torch.randint(0, vocab, (USER,), generator=g).tolist()
+                   for h, o in zip(history, outs)]
+    return answers, turns
 
 
 def show_lesson(llm, args) -> None:
-    from .engine import LLM
-    sp = SamplingParams(temperature=0, max_tokens=args.lesson_tokens, ignore_eos=True)
-    question = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
-    outs, engines = {}, {}
-    for path, backend in (("loop", "torch"), ("fused", "triton")):
-        engines[path] = LLM(args.moe_model, device=args.device, dtype=args.dtype, attention_backend=backend,
-                            **compared_options(args))
-        calls = routed(engines[path]) if path == "loop" else None
-        outs[path] = engines[path].chat([question], sp)[0].outputs[0].token_ids
-        if calls is not None:
-            loads = calls
-    moe = engines["loop"].model
-    c = moe.config
-    sparse = [i for i in range(c.num_layers) if c.is_moe_layer(i)]
-    print(f"\n{args.moe_model}: {c.num_layers} layers, {len(sparse)} of them sparse, {c.num_experts} experts of width "
-          f"{c.moe_intermediate_size}, {c.num_experts_per_tok} per token"
-          f"{', renormalised' if c.norm_topk_prob else ''}")
-    prefill = loads[:len(sparse)]  # the first forward: the prompt, every sparse layer
-    tokens = sum(prefill[0].values()) // c.num_experts_per_tok
-    rows = [[str(layer), str(len(count)), str(max(count.values())), str(c.num_experts - len(count)),
-             " ".join(str(count.get(e, 0)) for e in range(min(c.num_experts, 16)))]
-            for layer, count in zip(sparse, prefill)]
-    print(f"The prompt's {tokens} tokens, routed (each token to {c.num_experts_per_tok} experts):")
-    print(format_table(["layer", "experts hit", "most tokens on one", "experts idle",
-                        f"tokens per expert{' (the first 16)' if c.num_experts > 16 else ''}"], rows))
-    forwards = {path: engine.stats["forwards"] for path, engine in engines.items()}
-    rows = [["loop over experts (torch)", str(forwards["loop"]), str(engines["loop"].model.ops.expert_matmuls)],
-            ["grouped GEMMs (kernels/moe.py)", str(forwards["fused"]), str(engines["fused"].model.ops.moe_launches)]]
-    where = "compiled" if llm.device.type == "cuda" else "in Triton's interpreter"
-    print(f"\n{args.lesson_tokens} greedy tokens through each path (the fused kernels {where}):")
-    print(format_table(["experts run by", "forwards", "expert launches"], rows))
-    same = outs["loop"] == outs["fused"]
-    print("The two paths' tokens are " + ("equal, token for token." if same else
-                                          "not equal (a near-tie in the sums' order)."))
+    block = llm.config.block_size
+    working_set = CONVERSATIONS * (SYSTEM + TURNS * USER + TURNS * args.lesson_tokens)
+    longest = SYSTEM + TURNS * USER + TURNS * args.lesson_tokens
+    pool = max(working_set // 4, longest + block) // block * block + block  # a quarter, and room for the longest
+    options = {**compared_options(args), "max_kv_tokens": pool, "max_num_seqs": CONVERSATIONS}
+    engines = {"recompute": LLM(args.model, device=args.device, dtype=args.dtype, **options),
+               "host tier": LLM(args.model, device=args.device, dtype=args.dtype, kv_offloading_size=0.25, **options)}
+    vocab = llm.model.config.vocab_size
+    results = {name: chat(engine, args, vocab) for name, engine in engines.items()}
+    print(f"\n{CONVERSATIONS} conversations x {TURNS} turns, each turn sent whole (a {SYSTEM}-token system prompt, "
+          f"{USER}-token user turns, {args.lesson_tokens}-token answers): a working set of {working_set} tokens in a "
+          f"KV pool of {pool}. Prompt tokens computed, turn by turn:")
+    rows = []
+    for t in range(TURNS):
+        (prompt, recompute, _), (_, tier, restored) = results["recompute"][1][t], results["host tier"][1][t]
+        rows.append([str(t + 1), str(prompt), str(recompute), str(tier), str(restored)])
+    print(format_table(["turn", "prompt tokens", "computed without the tier", "computed with it",
+                        "blocks restored from host memory"], rows))
+    s = engines["host tier"].stats
+    print(f"The tier stored {s['host_stores']} blocks ({s['host_bytes_out'] / 2**10:.0f} KiB) and restored "
+          f"{s['host_restores']} ({s['host_bytes_in'] / 2**10:.0f} KiB); it holds {s['host_blocks']} blocks. The "
+          "answers are " + ("equal, token for token." if results["recompute"][0] == results["host tier"][0] else
+                            "NOT equal."))
     for engine in engines.values():
         engine.shutdown()
-    before_after("step30", "step31", llm, args)
+    before_after("step31", "step32", llm, args)
 
 
 if __name__ == "__main__":
