@@ -143,7 +143,8 @@ LAYERS = [
     {"kernels.*", "quant"},  # the Triton kernels (steps 15 on); step29: the 4-bit blocks they read
     {"sequence", "detokenizer", "scheduler", "block_manager", "sampler", "timers", "cuda_graphs", "parallel",
      "speculative",  # step27: the config and the proposer of drafts
-     "wire"},  # step26: the messages between the front end and the engine core
+     "wire",  # step26: the messages between the front end and the engine core
+     "offload"},  # step32: the host tier under the prefix cache (the block manager calls it, the runner flushes it)
     {"model"},
     {"model_runner", "attention"},  # the runner and the attention backends that build its metadata
     {"config"},  # the engine's options, checked once (EngineConfig; step25 on): it imports the runner's CPU default

@@ -121,6 +121,8 @@ class EngineConfig:
                              block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                              may_be_none=("max_kv_tokens",))
         self.attention_backend = choose_attention_backend(self.attention_backend, self.device)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
         # every option is checked: only now is the model found (a random one is built, the default converted)
         self.model_dir = resolve_model(self.model)
         self.model = str(self.model)
@@ -129,8 +131,6 @@ class EngineConfig:
         self.gguf_file = shipped_gguf(self.model) if self.quantization is None else None
         self.model_config = ModelConfig.from_json(self.model_dir / "config.json")
         # the split must fit the model's heads: checked on its config, before any process starts
-        if not isinstance(self.enable_expert_parallel, bool):
-            raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
         check_tensor_parallel_size(self.tensor_parallel_size, self.model_config, self.device,
                                    self.enable_expert_parallel)
 

@@ -124,6 +124,15 @@ class EngineConfig:
                              block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                              may_be_none=("max_kv_tokens",))
         self.attention_backend = choose_attention_backend(self.attention_backend, self.device)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
+        self.kv_offloading_size = check_kv_offloading_size(self.kv_offloading_size)  # step32
+        if self.kv_offloading_size and self.tensor_parallel_size != 1:
+            raise ValueError("kv_offloading_size: not with tensor_parallel_size > 1 in this step (the host tier's copies "
+                             "run on rank 0's cache only)")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size: the host tier holds evicted prefix-cache blocks, so it needs "
+                             "enable_prefix_caching=True")
         # every option is checked: only now is the model found (a random one is built, the default converted)
         self.model_dir = resolve_model(self.model)
         self.model = str(self.model)
@@ -132,15 +141,6 @@ class EngineConfig:
         self.gguf_file = shipped_gguf(self.model) if self.quantization is None else None
         self.model_config = ModelConfig.from_json(self.model_dir / "config.json")
         # the split must fit the model's heads: checked on its config, before any process starts
-        self.kv_offloading_size = check_kv_offloading_size(self.kv_offloading_size)  # step32
-        if self.kv_offloading_size and self.tensor_parallel_size != 1:
-            raise ValueError("kv_offloading_size: not with tensor_parallel_size > 1 in this step (the host tier's copies "
-                             "run on rank 0's cache only)")
-        if self.kv_offloading_size and not self.enable_prefix_caching:
-            raise ValueError("kv_offloading_size: the host tier holds evicted prefix-cache blocks, so it needs "
-                             "enable_prefix_caching=True")
-        if not isinstance(self.enable_expert_parallel, bool):
-            raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
         check_tensor_parallel_size(self.tensor_parallel_size, self.model_config, self.device,
                                    self.enable_expert_parallel)
 

@@ -387,6 +387,8 @@ def engine_arg_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-offloading-size", type=float, default=None,
+                        help="step32: a host-memory tier under the prefix cache, in GiB (default: none)")
     parser.add_argument("--speculative-config", type=json_object, default=None,
                         help='step27: n-gram drafts, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     return parser
@@ -408,7 +410,7 @@ def engine_options(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_kv_tokens=args.max_kv_tokens,
                 kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
                 enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-                speculative_config=args.speculative_config)
+                speculative_config=args.speculative_config, kv_offloading_size=args.kv_offloading_size)
 
 
 def _exit_cleanly(signum, frame) -> None:
