@@ -74,6 +74,21 @@ def test_chats_equal_the_step_before_while_blocks_go_to_host_memory_and_back(mod
     assert f"host KV tier: {s['host_blocks']} blocks" in llm.backend
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantised_caches_go_to_host_memory_and_back(kv_cache_dtype):
+    """An int8 cache's blocks travel with their scales, an fp8 cache's as bytes: the chats' answers are the step
+    before's with the same cache, while blocks were restored."""
+    options = dict(device="cpu", dtype="float32", max_kv_tokens=256, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
+    ref = chat(load_engine(BEFORE).LLM("random:tiny-qwen3", **options), conversations=5, turns=3)
+    llm = load_engine(TIER).LLM("random:tiny-qwen3", kv_offloading_size=0.001, **options)
+    out = chat(llm, conversations=5, turns=3)
+    assert llm.stats["host_restores"] > 0
+    assert (llm.host_tier.scales is not None) == (kv_cache_dtype == "int8")
+    for turn, (a_turn, b_turn) in enumerate(zip(out, ref)):
+        for i, (a, b) in enumerate(zip(a_turn, b_turn)):
+            compare_completions(a, b, 1e-4, label=f"turn {turn} conversation {i}")
+
+
 def test_without_the_tier_nothing_is_stored_and_the_line_says_off():
     llm = load_engine(TIER).LLM("random:tiny-llama", device="cpu", max_kv_tokens=256, max_num_seqs=4)
     chat(llm, conversations=3, turns=2)

@@ -42,6 +42,12 @@ class HostEntry:
     parent_hash: int | None
 
 
+def bytes_of(data: torch.Tensor) -> torch.Tensor:
+    """The cache as the tier copies it: a float8 cache as its bytes (copies move bytes; not every device's copy
+    kernels take float8), any other as it is."""
+    return data.view(torch.uint8) if data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else data
+
+
 def block_bytes(kv_cache) -> int:
     """The bytes of one block of the cache, K and V of every layer (and an int8 cache's scales): a host slot's."""
     data, scales = kv_cache.data, kv_cache.scales
@@ -60,14 +66,15 @@ def check_kv_offloading_size(size) -> float | None:
 
 class HostKVTier:
     """Host blocks shaped like the GPU cache's: data [slots, 2, layers, block_size, kv_heads, head_dim] in the cache's
-    dtype (an fp8 cache's bytes), and for an int8 cache its scales [slots, 2, layers, block_size, kv_heads]."""
+    dtype (an fp8 cache as its bytes: bytes_of), and for an int8 cache its scales [slots, 2, layers, block_size,
+    kv_heads]."""
 
     def __init__(self, kv_cache, num_slots: int, device: torch.device, stats: dict | None = None):
         if num_slots < 1:
             raise ValueError("the host tier needs room for at least one block")
         self.kv_cache, self.device = kv_cache, device
         cuda = device.type == "cuda"
-        data = kv_cache.data  # [2, layers, blocks, block_size, kv_heads, head_dim]
+        data = bytes_of(kv_cache.data)  # [2, layers, blocks, block_size, kv_heads, head_dim]
         shape = (num_slots, 2, data.shape[1], *data.shape[3:])
         self.data = torch.zeros(shape, dtype=data.dtype, pin_memory=cuda)
         scales = kv_cache.scales
@@ -152,7 +159,7 @@ class HostKVTier:
         return len(queue)
 
     def _copy(self, queue, non_blocking: bool) -> None:
-        data, scales, per = self.kv_cache.data, self.kv_cache.scales, self.bytes_per_block
+        data, scales, per = bytes_of(self.kv_cache.data), self.kv_cache.scales, self.bytes_per_block
         for kind, a, b in queue:
             if kind == "out":  # GPU block a -> host slot b
                 self.data[b].copy_(data[:, :, a], non_blocking=non_blocking)
