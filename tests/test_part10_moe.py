@@ -176,6 +176,29 @@ def test_align_sorts_every_pair_into_its_experts_padded_run():
     assert set(block_expert.tolist()) - {-1} == {0, 2, 4, 6}
 
 
+def test_the_kernels_compile_for_hopper():
+    """Both grouped GEMMs compile for sm_90 (the H200) here, without a GPU (docs/data/sass_step31.py, outside the
+    interpreter), at 16- and 64-row blocks, and their K loops multiply on the tensor cores: HMMA at 16 rows, Hopper's
+    warpgroup HGMMA at 64."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "docs/data/sass_step31.py"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = re.findall(r"BLOCK_M\s+(\d+) .*?gate_up loop \d+ instructions, (\d+) (\w+).*?down loop \d+ instructions, "
+                      r"(\d+) (\w+)", proc.stdout)
+    assert len(rows) == 4, proc.stdout
+    for block_m, up, up_kind, down, down_kind in rows:
+        assert int(up) > 0 and int(down) > 0
+        assert up_kind == down_kind == ("HGMMA" if block_m == "64" else "HMMA"), rows
+
+
 # ---- the engine ----------------------------------------------------------------------------------------------
 def test_fused_engine_follows_the_loop_with_two_launches_per_sparse_layer(monkeypatch):
     """The Triton path (interpreter) against the torch path on the tiny MoE, float32: the same greedy tokens, logprobs
