@@ -20,6 +20,7 @@ BAD = {
     "enforce_eager": (1, "enforce_eager must be True or False, got 1"),  # cuda_graphs (step21 on)
     "tensor_parallel_size": (0, "tensor_parallel_size must be a positive int, got 0"),  # tensor_parallel (step22 on)
     "async_scheduling": ("yes", "async_scheduling must be True, False or None, got 'yes'"),  # step25 on
+    "quantization": ("int3", r"quantization must be None \(the checkpoint's weights as shipped\) or one of"),  # step29 on
     "enable_expert_parallel": ("yes", "enable_expert_parallel must be True or False, got 'yes'"),  # step31 on
     "kv_offloading_size": (-1, "kv_offloading_size must be a size in GiB >= 0"),  # step32 on
 }

@@ -123,11 +123,11 @@ class EngineConfig:
         self.attention_backend = choose_attention_backend(self.attention_backend, self.device)
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
+        self.quantization = check_quantization(self.quantization)  # step29
         # every option is checked: only now is the model found (a random one is built, the default converted)
         self.model_dir = resolve_model(self.model)
         self.model = str(self.model)
         # step29: where the 4-bit blocks come from: the shipped GGUF file (read as stored), or int4 on load
-        self.quantization = check_quantization(self.quantization)
         self.gguf_file = shipped_gguf(self.model) if self.quantization is None else None
         self.model_config = ModelConfig.from_json(self.model_dir / "config.json")
         # the split must fit the model's heads: checked on its config, before any process starts
