@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from bench_step28 import graph_us  # noqa: E402
-from shared.anatomy import copy_gb_per_s  # noqa: E402
+from moe_step31 import EXPERTS, HIDDEN, TOP_K, WIDTH, layer_bytes_flops  # noqa: E402
+from shared.anatomy import copy_gb_per_s, time_ms  # noqa: E402
 
-HIDDEN, EXPERTS, WIDTH, TOP_K = 2048, 128, 768, 8
 TILES = [dict(block_n=64, block_k=64, num_warps=4), dict(block_n=128, block_k=64, num_warps=4),
          dict(block_n=128, block_k=64, num_warps=8), dict(block_n=64, block_k=128, num_warps=4)]
 
@@ -36,22 +35,6 @@ def matmul_tflops() -> float:
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in "ab")
     us = graph_us([lambda: a @ b], reps=10)
     return 2 * 8192 ** 3 / us / 1e6
-
-
-def eager_us(fn, reps: int = 10) -> float:
-    """Microseconds per call of fn run eagerly (it may wait for the host), median of 5 rounds of reps calls."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
 
 
 def main():
@@ -74,7 +57,8 @@ def main():
         weights, experts = route(h, router, TOP_K, True)
         hit = experts.unique().numel()
         loop = TorchLayerOps()
-        loop_us = eager_us(lambda: loop.expert_loop(h, weights, experts, gate_up, down))
+        # eager: the loop asks the host which experts were hit
+        loop_us = 1000 * time_ms(lambda: loop.expert_loop(h, weights, experts, gate_up, down), h.device, repeat=10)
         best = None
         for tile in TILES:
             us = graph_us([lambda: fused_moe(h, weights, experts, gate_up, down, **tile)], reps=20)
@@ -83,9 +67,7 @@ def main():
         reference = loop.expert_loop(h, weights, experts, gate_up, down).float()
         err = ((fused_moe(h, weights, experts, gate_up, down, **tile).float() - reference).abs().max()
                / reference.abs().max()).item()
-        weight_bytes = hit * 3 * WIDTH * HIDDEN * 2
-        other_bytes = 2 * n * HIDDEN * 2 + 2 * n * TOP_K * (WIDTH + HIDDEN) * 2
-        flops = 2 * n * TOP_K * 3 * WIDTH * HIDDEN
+        weight_bytes, other_bytes, flops = layer_bytes_flops(n, hit)
         floor_us = max((weight_bytes + other_bytes) / (gbs * 1e3), flops / (tflops * 1e6))
         row = dict(tokens=n, experts_hit=hit, loop_us=loop_us, fused_us=fused_us, tile=tile,
                    speedup=loop_us / fused_us, floor_us=floor_us, roofline_share=floor_us / fused_us,

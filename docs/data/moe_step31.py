@@ -37,6 +37,14 @@ def copy_bandwidth_gb_s() -> float:
     return float(re.search(r"copy bandwidth ([0-9.]+) GB/s", text).group(1))
 
 
+def layer_bytes_flops(tokens: int, experts_hit: int) -> tuple[int, int, int]:
+    """What the layer must move and do at `tokens` tokens: (bytes of the hit experts' weights, bf16, each read once;
+    the other bytes: x in, the output out and the two temporaries; FLOPs, 2 x tokens x k x 3 x width x hidden)."""
+    weight_bytes = experts_hit * 3 * WIDTH * HIDDEN * BF16
+    other_bytes = tokens * HIDDEN * BF16 * 2 + tokens * TOP_K * (WIDTH + HIDDEN) * BF16 * 2
+    return weight_bytes, other_bytes, 2 * tokens * TOP_K * 3 * WIDTH * HIDDEN
+
+
 def layer_counts(copy_gb_s: float) -> None:
     g = torch.Generator().manual_seed(0)
     router = torch.randn(EXPERTS, HIDDEN, generator=g) / HIDDEN ** 0.5
@@ -52,9 +60,7 @@ def layer_counts(copy_gb_s: float) -> None:
         block_m = choose_block_m(n * TOP_K, EXPERTS)
         sorted_pairs, block_expert = align(experts, EXPERTS, block_m)
         used = int((block_expert >= 0).sum()) * block_m  # the rows of blocks that compute
-        weight_bytes = hit * 3 * WIDTH * HIDDEN * BF16
-        act_bytes = n * HIDDEN * BF16 * 2 + n * TOP_K * (WIDTH + HIDDEN) * BF16 * 2  # x in, out; the two temporaries
-        flops = 2 * n * TOP_K * 3 * WIDTH * HIDDEN
+        weight_bytes, act_bytes, flops = layer_bytes_flops(n, hit)
         intensity = flops / (weight_bytes + act_bytes)
         floor_us = max((weight_bytes + act_bytes) / (copy_gb_s * 1e3), flops / (H200_BF16_TFLOPS * 1e6))
         print(f"tokens {n:5d}: experts hit {hit:3d}, loop matmuls {2 * hit:3d}, fused launches 2; block_m {block_m}, "
