@@ -65,11 +65,16 @@ class Q4Weight:
         blocks = self.packed.view(n, k // GROUP, GROUP // 2)
         return torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).view(n, k)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] in dtype: d * q + m, computed in float32 (as gguf's own dequantiser computes it), then cast."""
+    def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, K] in dtype: d * q + m, computed in float32 (as gguf's own dequantiser computes it), then cast. The
+        float32 values are written in place, one pass per operation: into `out` (float32, N * K elements, a buffer
+        the caller reuses) when given, else into a new tensor."""
         n, k = self.shape
-        q = self.values().view(n, k // GROUP, GROUP).float()
-        w = self.scale.float()[..., None] * q + self.minimum.float()[..., None]
+        w = out.view(n, k // GROUP, GROUP) if out is not None else torch.empty(n, k // GROUP, GROUP, device=self.device)
+        blocks = self.packed.view(n, k // GROUP, GROUP // 2)
+        w[..., :GROUP // 2] = blocks & 0x0F  # each block's values 0..15: its bytes' low nibbles
+        w[..., GROUP // 2:] = blocks >> 4    # values 16..31: the high ones
+        w.mul_(self.scale.float()[..., None]).add_(self.minimum.float()[..., None])
         return w.view(n, k).to(dtype)
 
     def rows(self, start: int, stop: int) -> "Q4Weight":

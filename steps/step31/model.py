@@ -189,13 +189,25 @@ class TorchLayerOps:
             x = x + residual
         return rms_norm(x, weight, eps), x
 
+    def dequantize_buffer(self, weight) -> torch.Tensor:
+        """step29: the float32 buffer a 4-bit weight is dequantised into for its matmul, one for all the model's
+        projections (the largest one's N * K floats: gate_up's), so that each matmul does not allocate its weight
+        anew. The matmul reads it before the next projection writes it (in order, on one device's stream)."""
+        size = weight.shape[0] * weight.shape[1]
+        buffer = getattr(self, "_dequantized", None)
+        if buffer is None or buffer.numel() < size or buffer.device != weight.device:
+            buffer = self._dequantized = torch.empty(size, dtype=torch.float32, device=weight.device)
+        return buffer[:size]
+
     def linear(self, x, weight, norm_weight=None, eps=1e-6, residual=None, silu_mul=False):
         """step28: one projection with what surrounds it: x [M, K] -> x @ weight.T [M, N]; with norm_weight, x is
         RMS-normalised first; with silu_mul, weight is [gate; up] and the result silu(gate) * up [M, N / 2]; with
         residual [M, N], it is added to the result (the new residual stream)."""
         h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
-        if isinstance(weight, (Q4Weight, Fp8Weight)):  # step29: 4-bit blocks (step30: fp8), dequantised for this
-            weight = weight.dequantize(h.dtype)        # matmul only (d * q + m; data * scale)
+        if isinstance(weight, Q4Weight):  # step29: 4-bit blocks, dequantised for this matmul only (d * q + m)
+            weight = weight.dequantize(h.dtype, out=self.dequantize_buffer(weight))
+        elif isinstance(weight, Fp8Weight):  # step30: fp8, the same (data * scale)
+            weight = weight.dequantize(h.dtype)
         y = h @ weight.T
         if silu_mul:
             y = self.silu_mul(y)
