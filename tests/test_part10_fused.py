@@ -160,9 +160,11 @@ def test_one_launch_flash_decoding_equals_split_then_merge(seqs, heads, kv_heads
 
 # ---- the engine ------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4)
-def outputs(step: str, model: str, backend: str = "torch", gemv_on_cpu: bool = False, tokens: int = 16):
+def outputs(step: str, model: str, backend: str = "torch", gemv_on_cpu: bool = False, tokens: int = 16,
+            prompt: tuple | None = None):
     """The requests' outputs through one engine -> (outputs, the GEMV kernel's launches (the rows of each), the
-    engine's line, its layer count). With the Triton backend (interpreted): one request, so its decodes are one row."""
+    engine's line, its layer count). With the Triton backend (interpreted): one request (`prompt`'s token ids, or the
+    first of PROMPTS), so its decodes are one row."""
     llm = load_engine(step).LLM(model, device="cpu", dtype="float32", max_kv_tokens=2048, attention_backend=backend)
     if gemv_on_cpu:
         llm.model.ops.gemv_devices.add("cpu")
@@ -180,7 +182,8 @@ def outputs(step: str, model: str, backend: str = "torch", gemv_on_cpu: bool = F
         gemv._gemv_kernel = Counted()
     try:
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=2)
-        outs = llm.generate(PROMPTS[:1] if backend == "triton" else PROMPTS, params)
+        one = [list(prompt)] if prompt is not None else PROMPTS[:1]
+        outs = llm.generate(one if backend == "triton" else PROMPTS, params)
     finally:
         if gemv is not None:
             gemv._gemv_kernel = original
@@ -197,12 +200,51 @@ def test_engine_equals_step27_bit_for_bit_on_the_torch_path(model):
         compare_completions(a.outputs[0], b.outputs[0], 0.0, exact=True, label=f"{model} request {i}")
 
 
-def test_engine_with_the_gemv_kernel_equals_step27():
+SMALL_VOCAB = 256  # the tiny model's first 256 tokens: lm_head's GEMV is 256 columns, not 49,152, in the interpreter
+
+
+@pytest.fixture(scope="module")
+def small_vocab_qwen3(tmp_path_factory) -> str:
+    """random:tiny-qwen3 with only its first SMALL_VOCAB tokens (the tied embedding's first rows): the same layers, and
+    an lm_head of 192 times fewer columns for the interpreter to run (a folder of config.json, safetensors and the tokenizer)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from shared.models import resolve_model
+
+    source, folder = resolve_model(TINY_QWEN3), tmp_path_factory.mktemp("small-vocab-qwen3")
+    for f in source.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, folder / f.name)
+    config = json.loads((source / "config.json").read_text())
+    assert config["tie_word_embeddings"] and config["vocab_size"] > SMALL_VOCAB
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": SMALL_VOCAB}))
+    weights = {}
+    for f in source.glob("*.safetensors"):
+        weights.update(load_file(f))
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:SMALL_VOCAB].clone()
+    save_file(weights, folder / "model.safetensors")
+    return str(folder)
+
+
+def test_engine_with_the_gemv_kernel_equals_step27(small_vocab_qwen3):
     """The kernels in the engine (interpreted), one request of 5 tokens: its prefill runs the matmul path (many rows)
     and lm_head's GEMV (one row: the last token's); each of its 4 decodes runs the GEMV in the 4 projections of every
-    layer and in lm_head. The tokens are step27's; the logprobs agree up to the order of the sums over K."""
-    got, launches, backend, layers = outputs(FUSED, TINY_QWEN3, "triton", True, 5)
-    want, _, _, _ = outputs(BEFORE, TINY_QWEN3, "triton", False, 5)
+    layer and in lm_head. The tokens are step27's; the logprobs agree up to the order of the sums over K. The tiny
+    Qwen3 with a vocabulary of SMALL_VOCAB tokens: test_engine_with_the_gemv_kernel_at_the_full_vocabulary runs
+    lm_head's 49,152 columns (slow)."""
+    check_gemv_engine(small_vocab_qwen3, (17, 200, 31, 5, 99, 140, 7))
+
+
+@pytest.mark.slow
+def test_engine_with_the_gemv_kernel_at_the_full_vocabulary():
+    check_gemv_engine(TINY_QWEN3, None)
+
+
+def check_gemv_engine(model: str, prompt: tuple | None) -> None:
+    got, launches, backend, layers = outputs(FUSED, model, "triton", True, 5, prompt)
+    want, _, _, _ = outputs(BEFORE, model, "triton", False, 5, prompt)
     assert "projections: torch matmuls" in backend  # the engine's line says the CPU's default, set when it was built
     for i, (a, b) in enumerate(zip(got, want)):
         compare_completions(a.outputs[0], b.outputs[0], 1e-4, exact=True, label=f"request {i}")
