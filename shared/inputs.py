@@ -40,6 +40,8 @@ def check_engine_options(may_be_none: tuple[str, ...] = (), **options) -> None:
     Only the options given are checked, each with a ValueError that names it and its limit:
 
         max_num_seqs, max_num_batched_tokens, max_kv_tokens   integers >= 1
+        max_logprobs                                          an integer >= 1 (step23 on; check_max_logprobs
+                                                              bounds it by the vocabulary once the model is read)
         gpu_memory_utilization                                a number in (0, 1]
         block_size                                            an integer in [1, max_kv_tokens]
         enable_prefix_caching                                 True or False
@@ -49,7 +51,7 @@ def check_engine_options(may_be_none: tuple[str, ...] = (), **options) -> None:
     def is_int(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
         if name in options and (not is_int(options[name]) or options[name] < 1):
             raise ValueError(f"{name} must be an integer >= 1, got {options[name]!r}")
     if "gpu_memory_utilization" in options:
@@ -141,6 +143,22 @@ def check_fits_kv_pool(index: int, prompt_len: int, params: SamplingParams, num_
         raise ValueError(f"prompts[{index}]: prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
                          f"{needed} exceeds max_kv_tokens ({num_blocks * block_size} = {num_blocks} blocks of "
                          f"{block_size}): it could never fit in the KV pool")
+
+
+def check_max_logprobs(max_logprobs: int, vocab_size: int) -> int:
+    """max_logprobs (checked an integer >= 1 with the other options) must be a number of tokens the vocabulary has:
+    a request within it never asks the sampler for more tokens than a row of logits holds."""
+    if max_logprobs > vocab_size:
+        raise ValueError(f"max_logprobs={max_logprobs} is more than the model's vocabulary ({vocab_size} tokens)")
+    return max_logprobs
+
+
+def check_logprobs(index: int, params: SamplingParams, max_logprobs: int) -> None:
+    """logprobs=N (the N most likely tokens at each place) may ask for at most the engine's max_logprobs (vLLM's
+    option and default, 20): checked with the request, so that no step fails on it."""
+    if params.logprobs is not None and params.logprobs > max_logprobs:
+        raise ValueError(f"prompts[{index}]: logprobs={params.logprobs} is more than max_logprobs={max_logprobs}, the "
+                         "most this engine returns (its max_logprobs option)")
 
 
 def check_conversations(conversations) -> list[list[dict]]:

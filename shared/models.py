@@ -283,21 +283,28 @@ def _random_model(shape: str) -> Path:
     return out
 
 
-def _build_random_model(shape: str, out: Path) -> None:
+def write_random_model(shape: dict, folder: Path) -> Path:
+    """A model folder of seeded random weights of `shape` (a RANDOM_SHAPES entry, or one changed by a test: a shape no
+    named model has): config.json, model.safetensors and the tokenizer's files. -> folder."""
     from safetensors.torch import save_file
 
-    _progress(f"building random:{shape} (seed {RANDOM_SEED}) in {out} (once) ...")
-    start = time.perf_counter()
-    cfg = _hf_config_dict(RANDOM_SHAPES[shape])
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(make_random_weights(cfg), tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    cfg = _hf_config_dict(shape)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(make_random_weights(cfg), folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     src = tokenizer_dir()
     for f in TOKENIZER_FILES:
         if (src / f).is_file():
-            shutil.copy(src / f, tmp / f)
+            shutil.copy(src / f, folder / f)
+    return folder
+
+
+def _build_random_model(shape: str, out: Path) -> None:
+    _progress(f"building random:{shape} (seed {RANDOM_SEED}) in {out} (once) ...")
+    start = time.perf_counter()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_random_model(RANDOM_SHAPES[shape], tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     _progress(f"built random:{shape} in {time.perf_counter() - start:.1f} s")

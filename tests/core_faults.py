@@ -1,9 +1,11 @@
 """Faults injected into an engine core process (step26 on): AsyncLLM(..., _core_setup=inject_faults) calls this in
-the core once its LLM is built. A module of its own, so that the core process (spawned: it imports what it runs)
-can import it by name. Requests ask for a fault by their seed:
+the core once its LLM is built; the step faults alone (inject_step_faults) go into any LLM, an AsyncLLM's without a
+core (steps 23-25: inject_step_faults(engine.llm)) too. A module of its own, so that the core process (spawned: it
+imports what it runs) can import it by name. Requests ask for a fault by their seed:
 
-- STEP_FAILURE_SEED: the engine step that serves the request after its first token raises (inside the step: the
-  step's requests are dropped, each gets the error, and the core serves on);
+- STEP_FAILURE_SEED: every engine step that serves the request after its first token raises (inside the step: a
+  request that fails a step alone gets the error; the requests of a step of several are put back to run alone, so
+  the request with the seed fails alone and the others run on; the core serves on);
 - DEVICE_ERROR_SEED: that step raises a device error instead, as CUDA reports an illegal memory access
   (torch.AcceleratorError; a RuntimeError naming "CUDA error" on a torch without it);
 - DEATH_SEED: adding the request raises a RuntimeError (outside a step: the core's loop dies).
@@ -35,10 +37,10 @@ def device_error() -> RuntimeError:
     return getattr(torch, "AcceleratorError", RuntimeError)(DEVICE_ERROR_MESSAGE)
 
 
-def inject_faults(llm) -> None:
-    execute, add = llm.runner.execute, llm._add
-    engine_core = sys.modules[type(llm).__module__]  # the step's engine_core, which built this LLM
-    failing_outputs: set[str] = set()  # the requests (as the core names them) of OUTPUT_THREAD_FAILURE_SEED
+def inject_step_faults(llm) -> None:
+    """STEP_FAILURE_SEED and DEVICE_ERROR_SEED: the model runner's execute raises for a step that serves such a
+    request after its first token."""
+    execute = llm.runner.execute
 
     def failing_execute(work, *args, **kwargs):
         if any(seq.params.seed == STEP_FAILURE_SEED and seq.output_ids for seq, _ in work):
@@ -46,6 +48,15 @@ def inject_faults(llm) -> None:
         if any(seq.params.seed == DEVICE_ERROR_SEED and seq.output_ids for seq, _ in work):
             raise device_error()
         return execute(work, *args, **kwargs)
+
+    llm.runner.execute = failing_execute
+
+
+def inject_faults(llm) -> None:
+    inject_step_faults(llm)
+    add = llm._add
+    engine_core = sys.modules[type(llm).__module__]  # the step's engine_core, which built this LLM
+    failing_outputs: set[str] = set()  # the requests (as the core names them) of OUTPUT_THREAD_FAILURE_SEED
 
     def failing_add(prompt, ids, params, *args, **kwargs):
         if params.seed == DEATH_SEED:
@@ -55,7 +66,7 @@ def inject_faults(llm) -> None:
             failing_outputs.add(request_id)
         return request_id
 
-    llm.runner.execute, llm._add = failing_execute, failing_add
+    llm._add = failing_add
     _inject_io_faults(engine_core, failing_outputs)
 
 

@@ -91,6 +91,28 @@ class RowWrites:
         return False
 
 
+def edited_model(tmp_path, model: str, edit_config=None, drop=None) -> str:
+    """A copy of `model`'s folder (a name resolve_model knows) in tmp_path, with its config.json edited in place by
+    edit_config(dict), or one tensor (its name: drop) left out of its checkpoint."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from shared import resolve_model
+
+    src, dst = resolve_model(model), tmp_path / "edited"
+    shutil.copytree(src, dst)
+    if edit_config:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if drop:
+        weights = load_file(dst / "model.safetensors")
+        del weights[drop]
+        save_file(weights, dst / "model.safetensors")
+    return str(dst)
+
+
 def load_engine(step: str):
     """The `engine` module of steps/<step>."""
     return importlib.import_module(f"steps.{step}.engine")

@@ -20,10 +20,21 @@ BAD = {
     "enforce_eager": (1, "enforce_eager must be True or False, got 1"),  # cuda_graphs (step21 on)
     "tensor_parallel_size": (0, "tensor_parallel_size must be a positive int, got 0"),  # tensor_parallel (step22 on)
     "async_scheduling": ("yes", "async_scheduling must be True, False or None, got 'yes'"),  # step25 on
+    "max_logprobs": (0, "max_logprobs must be an integer >= 1, got 0"),  # step23 on
     "quantization": ("int3", r"quantization must be None \(the checkpoint's weights as shipped\) or one of"),  # step29 on
     "enable_expert_parallel": ("yes", "enable_expert_parallel must be True or False, got 'yes'"),  # step31 on
-    "kv_offloading_size": (-1, "kv_offloading_size must be a size in GiB >= 0"),  # step32 on
+    "kv_offloading_size": [  # step32 on: a number, finite, and no more than the host can give
+        (-1, "kv_offloading_size must be a size in GiB >= 0"),
+        (float("nan"), "kv_offloading_size must be a size in GiB >= 0 .*got nan"),
+        (float("inf"), "kv_offloading_size must be a size in GiB >= 0 .*got inf"),
+        (1e12, r"kv_offloading_size=1000000000000.0 GiB is more than this host's available memory \([0-9.]+ GiB\)"),
+    ],
 }
+
+
+def bad_values(name: str) -> list[tuple]:
+    """BAD's (value, message) pairs for option `name`: one, or a list of them."""
+    return BAD[name] if isinstance(BAD[name], list) else [BAD[name]]
 
 
 def engine_options(step: str) -> list[str]:
@@ -36,10 +47,10 @@ def engine_options(step: str) -> list[str]:
 def test_a_bad_option_fails_before_the_model_loads(step):
     LLM = importlib.import_module(f"steps.{step}.engine").LLM
     for name in engine_options(step):
-        value, message = BAD[name]
-        # An unknown model: had the engine resolved or loaded it first, the error would be about the model.
-        with pytest.raises(ValueError, match=message):
-            LLM("no-such-model", device="cpu", **{name: value})
+        for value, message in bad_values(name):
+            # An unknown model: had the engine resolved or loaded it first, the error would be about the model.
+            with pytest.raises(ValueError, match=message):
+                LLM("no-such-model", device="cpu", **{name: value})
 
 
 def test_the_helper_checks_only_what_it_is_given():

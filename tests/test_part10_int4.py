@@ -7,14 +7,19 @@ On the CPU:
 - int4 round-to-nearest puts a weight on the nearest of each group's 16 levels, and reproduces a weight already on
   a Q4_1 grid exactly;
 - the 4-bit GEMV kernel (the interpreter) equals dequantise-then-matmul on odd shapes with every fusion;
-- bad input: an unknown quantization, a K that is not whole blocks, a GGUF tensor type it does not read.
+- bad input: an unknown quantization, a K that is not whole blocks, a GGUF tensor type it does not read, a model
+  whose projections a rank would hold in part blocks (refused from its config, before a worker starts or a weight
+  loads).
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from helpers import step_module
-from registry import introducing
+from helpers import edited_model, step_module
+from registry import has, having, introducing
+from shared import resolve_model
 
 STEP = introducing("int4_weights")
 
@@ -100,6 +105,36 @@ def test_bad_input_is_a_value_error():
         q.quantize_int4(torch.randn(4, 40))
     with pytest.raises(ValueError, match="block boundary|multiples of 32"):
         q.quantize_int4(torch.randn(4, 64)).columns(0, 40)
+
+
+@pytest.mark.parametrize("step", having("int4_weights"))
+def test_int4_widths_that_are_not_whole_blocks_are_refused_before_the_model_loads(step, tmp_path, monkeypatch):
+    """A row-parallel projection (o_proj, down_proj) is cut by its inputs, and a 4-bit block holds 32 of them: over
+    two ranks tiny-llama's MLP width 160 leaves down_proj 80 inputs a rank. On one rank an MLP width of 144 is not
+    whole blocks either. Each is a ValueError naming quantization (and the split), from the model's config, before
+    a worker starts or a weight loads."""
+    import multiprocessing
+
+    LLM = step_module(step, "engine").LLM
+    with pytest.raises(ValueError, match=r"quantization='int4'.*tensor_parallel_size=2.*down_proj.*80 inputs"):
+        LLM("random:tiny-llama", device="cpu", quantization="int4", tensor_parallel_size=2)
+    assert not multiprocessing.active_children()
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model loaded before its widths were checked")
+
+    monkeypatch.setattr(step_module(step, "model").CausalLM, "from_pretrained", loaded)
+    folder = edited_model(tmp_path, "random:tiny-llama", lambda c: c.update(intermediate_size=144))
+    with pytest.raises(ValueError, match=r"quantization='int4'.*tensor_parallel_size=1.*down_proj.*144 inputs"):
+        LLM(folder, device="cpu", quantization="int4")
+    check, config_of = step_module(step, "config").check_int4_widths, step_module(step, "model").ModelConfig.from_json
+    for size in (1, 3):  # the embedded model's own blocks split over its three KV heads
+        check(config_of(resolve_model("smollm2-135m") / "config.json"), size, "the checkpoint's 4-bit blocks")
+    if has(step, "moe"):  # the experts stay floats: only a dense layer's down_proj is 4-bit blocks
+        moe = config_of(resolve_model("random:tiny-qwen3-moe") / "config.json")  # layer 1 dense, MLP width 160
+        with pytest.raises(ValueError, match="down_proj has 80 inputs"):
+            check(moe, 2, "quantization='int4'")
+        check(dataclasses.replace(moe, mlp_only_layers=()), 2, "quantization='int4'")
 
 
 def test_the_shipped_blocks_give_step28s_outputs_bit_for_bit():

@@ -10,18 +10,17 @@ What is proven here, on the CPU (the kernels in Triton's interpreter, fp32; tens
 - the engine on the fused path follows the loop's tokens, two launches per sparse layer;
 - ep=2 (whole experts split) and tp=2 (each expert's width split) equal one rank;
 - bad input: an expert count the ranks do not divide, an expert width they do not divide, a missing router or
-  expert tensor: a ValueError that names it.
+  expert tensor (on rank 1 only too), enable_expert_parallel on a dense model: a ValueError that names it.
 On the GPU (marked gpu): the fused layer against the loop in bf16 at Qwen3-30B-A3B's layer shape, and the engine with
 CUDA graphs (the MoE layer inside them) following the torch path."""
 import importlib
-import json
-import shutil
+import multiprocessing
 
 import pytest
 import torch
 
-from helpers import TP_LOGPROB_ATOL_FP32, compare_completions, load_engine
-from registry import introducing
+from helpers import TP_LOGPROB_ATOL_FP32, compare_completions, edited_model, load_engine, step_module
+from registry import having, introducing
 from shared import SamplingParams, resolve_model
 
 MOE_STEP = introducing("moe")
@@ -250,44 +249,58 @@ def test_two_ranks_equal_one(expert_parallel):
 
 
 # ---- bad input --------------------------------------------------------------------------------------------------
-def edited_model(tmp_path, edit_config=None, drop=None):
+def edited_moe(tmp_path, edit_config=None, drop=None):
     """A copy of the tiny MoE's folder with its config edited, or one tensor left out of its checkpoint."""
-    from safetensors.torch import load_file, save_file
-
-    src, dst = resolve_model(TINY_MOE), tmp_path / "moe"
-    shutil.copytree(src, dst)
-    if edit_config:
-        cfg = json.loads((dst / "config.json").read_text())
-        edit_config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    if drop:
-        weights = load_file(dst / "model.safetensors")
-        del weights[drop]
-        save_file(weights, dst / "model.safetensors")
-    return str(dst)
+    return edited_model(tmp_path, TINY_MOE, edit_config, drop)
 
 
 def test_expert_parallel_over_ranks_that_do_not_divide_the_experts_is_a_value_error(tmp_path):
-    folder = edited_model(tmp_path, lambda c: c.update(num_experts=7))
+    folder = edited_moe(tmp_path, lambda c: c.update(num_experts=7))
     with pytest.raises(ValueError, match="num_experts=7"):
         load_engine(MOE_STEP).LLM(folder, device="cpu", tensor_parallel_size=2, enable_expert_parallel=True)
 
 
 def test_an_expert_width_the_ranks_do_not_divide_is_a_value_error(tmp_path):
-    folder = edited_model(tmp_path, lambda c: c.update(moe_intermediate_size=33))
+    folder = edited_moe(tmp_path, lambda c: c.update(moe_intermediate_size=33))
     with pytest.raises(ValueError, match="moe_intermediate_size=33"):
         load_engine(MOE_STEP).LLM(folder, device="cpu", tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("missing", ["model.layers.2.mlp.gate.weight", "model.layers.0.mlp.experts.5.up_proj.weight"])
 def test_a_missing_router_or_expert_is_a_value_error_naming_it(tmp_path, missing):
-    folder = edited_model(tmp_path, drop=missing)
+    folder = edited_moe(tmp_path, drop=missing)
     with pytest.raises(ValueError, match=missing.replace(".", r"\.")):
         load_engine(MOE_STEP).LLM(folder, device="cpu", max_kv_tokens=256)
 
 
+@pytest.mark.parametrize("step", having("moe"))
+def test_a_missing_expert_of_rank_1_is_a_value_error_naming_the_rank(step, tmp_path):
+    """Expert parallel over two ranks: expert 5 is rank 1's, and only rank 1 reads it. Its ValueError reaches the
+    caller as a ValueError (parallel.py's WorkerValueError, a WorkerError too) that names the worker and ends with
+    the worker's own message."""
+    missing = "model.layers.0.mlp.experts.5.up_proj.weight"
+    folder = edited_moe(tmp_path, drop=missing)
+    with pytest.raises(ValueError, match=r"tensor-parallel worker 1 \(pid \d+\) failed") as caught:
+        load_engine(step).LLM(folder, device="cpu", max_kv_tokens=256, tensor_parallel_size=2,
+                              enable_expert_parallel=True)
+    assert isinstance(caught.value, step_module(step, "parallel").WorkerError)
+    assert str(caught.value).splitlines()[-1].startswith("ValueError: ") and missing in str(caught.value)
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("step", having("moe"))
+@pytest.mark.parametrize("size", [1, 2])
+def test_expert_parallel_on_a_dense_model_is_a_value_error(step, size):
+    """enable_expert_parallel=True splits a model's experts: a model without any is refused by name, not ignored, on
+    one rank and on two (before any worker starts)."""
+    with pytest.raises(ValueError, match=r"enable_expert_parallel=True: .*has no experts"):
+        load_engine(step).LLM("random:tiny-llama", device="cpu", tensor_parallel_size=size,
+                              enable_expert_parallel=True)
+    assert not multiprocessing.active_children()
+
+
 def test_a_shared_expert_is_refused_by_name(tmp_path):
-    folder = edited_model(tmp_path, lambda c: c.update(shared_expert_intermediate_size=64))
+    folder = edited_moe(tmp_path, lambda c: c.update(shared_expert_intermediate_size=64))
     with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
         load_engine(MOE_STEP).LLM(folder, device="cpu", max_kv_tokens=256)
 

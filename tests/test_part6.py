@@ -179,12 +179,35 @@ def test_kernel_engine_equals_step14_7(step, model, budget, monkeypatch):
         assert split["n"] > 0 and min(split["splits"]) > 1, split["splits"]  # contexts were really split
 
 
-@pytest.mark.parametrize("step", [s for s in STEPS if s in having("triton_prefill") + having("mixed_batch_kernel")])
+KERNEL_STEPS = [s for s in STEPS if s in having("triton_prefill") + having("mixed_batch_kernel")]
+
+
+@pytest.mark.parametrize("step", KERNEL_STEPS)
 def test_attention_backend_choice(step):
     engine = load_engine(step)
     assert engine.choose_attention_backend(None, torch.device("cpu")) == "torch"
     with pytest.raises(ValueError, match="attention_backend must be"):
         engine.LLM("random:tiny-llama", device="cpu", attention_backend="cuda")
+
+
+@pytest.fixture(scope="module")
+def head_dim_20(tmp_path_factory):
+    """tiny-llama's shape with heads of 20 numbers: not a power of two."""
+    from shared.models import RANDOM_SHAPES, write_random_model
+
+    return str(write_random_model({**RANDOM_SHAPES["tiny-llama"], "head_dim": 20}, tmp_path_factory.mktemp("hd20")))
+
+
+@pytest.mark.parametrize("step", KERNEL_STEPS)
+def test_a_head_dim_the_kernels_cannot_take_is_refused_when_the_engine_is_built(step, head_dim_20):
+    """The kernels' tiles need head_dim to be a power of two >= 16 (tl.arange, tl.dot): head_dim 20 with
+    attention_backend="triton" is a ValueError naming both when the engine is built, not at its first generate. The
+    torch backend runs it."""
+    LLM = load_engine(step).LLM
+    with pytest.raises(ValueError, match=r"attention_backend='triton'.*head_dim.*this model's is 20"):
+        LLM(head_dim_20, device="cpu", attention_backend="triton", max_kv_tokens=256)
+    llm = LLM(head_dim_20, device="cpu", attention_backend="torch", max_kv_tokens=256)
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids) == 2
 
 
 # ---- on the GPU: compiled, bf16, real model shapes ----------------------------------------------------------

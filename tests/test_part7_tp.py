@@ -9,7 +9,8 @@ torch.distributed, gloo on the CPU: every test here runs in CI.
 - The block tables: each worker keeps its own persistent rows, equal to rank 0's after every step, while every
   step's broadcast carries only the blocks that are new since the sequence's last step (none in a decode step that
   crosses no block boundary), never a whole table but the first time.
-- Sizes that do not split the heads are refused before any process starts; a killed worker is an error, not a
+- Sizes that do not split the heads are refused before any process starts; a worker's ValueError is a ValueError
+  on rank 0 (naming the worker), and one every rank raises is rank 0's own; a killed worker is an error, not a
   hang; no worker is left after shutdown(), after the engine is collected, or after its process ends.
 On the GPU (marked gpu): tp=1 equals step21, and tp=2 on one GPU is refused by name.
 """
@@ -25,9 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (TP_LOGPROB_ATOL_FP32, RowWrites, alive, children_of, compare_completions, load_engine,
-                     shell_env, step_module)
-from registry import having, introducing, last_before
+from helpers import (TP_LOGPROB_ATOL_FP32, RowWrites, alive, children_of, compare_completions, edited_model,
+                     load_engine, shell_env, step_module)
+from registry import having, introducing, last_before, lesson_and_newest
 from shared import SamplingParams, resolve_model
 
 TP = introducing("tensor_parallel")
@@ -215,6 +216,39 @@ def test_sizes_that_do_not_split_the_heads_are_refused_before_any_worker_starts(
         with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
             LLM("random:tiny-llama", device="cpu", tensor_parallel_size=bad)
     assert child_processes() == before
+
+
+def test_a_workers_value_error_is_a_value_error_on_rank_0(tmp_path):
+    """A ValueError found on a worker only (here its loader refuses the model's type; rank 0 joins the group and
+    builds nothing) reaches rank 0 as a ValueError: parallel.py's WorkerValueError, a WorkerError too, that names the
+    worker and ends with the worker's own message."""
+    p, worker = parallel(), step_module(TP, "worker")
+    folder = edited_model(tmp_path, "random:tiny-llama", lambda c: c.update(model_type="gpt2"))
+    options = dict(dtype=torch.float32, attention_backend="torch", kv_cache_dtype="auto", enforce_eager=True,
+                   max_num_seqs=4, max_kv_tokens=256, block_size=16, warmup_tokens=64, gpu_memory_utilization=0.9)
+    workers, tp = worker.Workers(2, torch.device("cpu"), Path(folder), options), None
+    try:
+        workers.wait_started()
+        tp = p.TensorParallel.connect(0, 2, workers.init_method, torch.device("cpu"), workers.timeout_s)
+        with pytest.raises(ValueError, match=r"tensor-parallel worker 1 \(pid \d+\) failed") as caught:
+            workers.wait_ready()
+    finally:
+        workers.shutdown()
+        if tp is not None:
+            tp.close()
+    assert isinstance(caught.value, p.WorkerError)
+    assert str(caught.value).splitlines()[-1].startswith("ValueError: model: model_type 'gpt2' is not supported")
+    assert child_processes() == set()
+
+
+@pytest.mark.parametrize("step", lesson_and_newest("tensor_parallel"))
+def test_a_checkpoint_every_rank_refuses_is_a_value_error(step, tmp_path):
+    """A checkpoint without lm_head.weight whose config does not tie it: every rank's loader raises the same
+    ValueError. Rank 0's own reaches the caller, not a WorkerError about the workers."""
+    folder = edited_model(tmp_path, "random:tiny-llama", drop="lm_head.weight")
+    with pytest.raises(ValueError, match="has no lm_head.weight and tie_word_embeddings is false"):
+        load_engine(step).LLM(folder, device="cpu", max_kv_tokens=256, tensor_parallel_size=2)
+    assert child_processes() == set()
 
 
 def test_a_killed_worker_is_an_error_on_rank_0_not_a_hang():

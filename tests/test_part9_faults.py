@@ -6,8 +6,9 @@ On the CPU, tiny Llama, in every step with an engine core process (faults inject
   stream ends with EngineDeadError within 10 s, the core process exits, later requests are refused as dead and the
   server's /health answers 503;
 - a device error in a step (CUDA's illegal memory access) is fatal: the streams end with EngineDeadError, not
-  EngineStepError, the core exits, later requests are refused; an ordinary step error fails only the requests of
-  that step, and the core serves on; what counts as a device error, on a torch with AcceleratorError and without;
+  EngineStepError, the core exits, later requests are refused; an ordinary step error fails only the request that
+  failed it (here the one request of its step; beside others: test_part8_isolation.py), and the core serves on;
+  what counts as a device error, on a torch with AcceleratorError and without;
 - a step of the overlapped loop that fails at its launch or at its read leaves no step in flight;
 - a stop string found by the front end aborts its request in the core: a new request that reuses the id before
   that Abort is sent runs to its normal end.

@@ -7,7 +7,8 @@ On the CPU (one stream: the order, without overlap), on both model families:
 - the token computed for a request after its end is thrown away: counted in stats["discarded_tokens"] (one per
   request that ran on after its last token), never emitted;
 - a 96-token pool that preempts requests whose newest token is still a placeholder, and an abort between two steps;
-- a launch or a read that fails drops the requests of the two steps it touched and leaves no step in flight;
+- a launch or a read that fails leaves no step in flight and puts the requests of the two steps it touched back, each
+  to run alone until it gets a token (step23's rule for a step of several that fails): they end as the sync engine's;
 - no block leaked, nothing left in flight once the engine is drained; AsyncLLM streams through it unchanged;
 - two tensor-parallel ranks (gloo) with async scheduling: the worker fills its placeholders' inputs from rank 0's
   tokens;
@@ -186,11 +187,12 @@ def test_abort_between_two_steps():
 
 
 @pytest.mark.parametrize("where", ["launch", "read"])
-def test_a_failed_launch_or_read_drops_its_requests_and_leaves_no_step_in_flight(where, monkeypatch):
+def test_a_failed_launch_or_read_puts_its_requests_back_and_leaves_no_step_in_flight(where, monkeypatch):
     """The offline LLM, overlapped: a step whose launch (the runner's execute) or whose read (step N's sampled tokens)
-    raises drops the requests of step N and step N + 1 (half-updated: tokens counted that were never computed or
-    read) and leaves no step in flight, whose results a later step would read. A request that was waiting is not
-    touched, and it and a new request get the tokens the sync engine gives."""
+    raises leaves no step in flight, whose results a later step would read. The requests of step N and step N + 1
+    (half-updated: tokens counted that were never computed or read) fail as one step of two (LLM._fail_step): each is
+    put back, preempted, its placeholders dropped, a suspect that runs alone (synchronously) until it gets a token.
+    A request that was waiting is not touched; they, it and a new request get the tokens the sync engine gives."""
     llm = load_engine(OVERLAP).LLM(TINY, async_scheduling=True, **{**OPTIONS, "max_num_seqs": 2})
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     running = [llm.add_request(p, params) for p in PROMPTS[:2]]
@@ -212,12 +214,16 @@ def test_a_failed_launch_or_read_drops_its_requests_and_leaves_no_step_in_flight
     with pytest.raises(RuntimeError, match="injected failure"):
         llm.step()
     assert llm.in_flight is None, "a failed step left a step in flight"
-    assert not any(r in llm.scheduler.requests for r in running), "the failed step's requests were not dropped"
-    assert [s.request_id for s in llm.scheduler.waiting] == [waiting]
+    back = list(llm.scheduler.waiting)[:2]
+    assert {s.request_id for s in back} == set(running) and llm.scheduler.waiting[2].request_id == waiting
+    assert all(s.suspect and s.num_output_placeholders == 0 and not s.block_table for s in back), back
+    assert llm.stats["requeued_after_failure"] == 2 and not llm.scheduler.running
     later = llm.add_request(PROMPTS[3], params)
     outs = {o.request_id: o for o in drain(llm)}
-    assert set(outs) == {waiting, later} and len(calls) > 1
-    assert_same([outs[waiting], outs[later]], engines(TINY)["sync"].generate(PROMPTS[2:4], params), "after a failure")
+    assert set(outs) == {*running, waiting, later} and len(calls) > 1
+    assert_same([outs[r] for r in (*running, waiting, later)], engines(TINY)["sync"].generate(PROMPTS[:4], params),
+                "after a failure")
+    assert llm.scheduler.num_suspects == 0 and llm.stats["requeued_after_failure"] == 2
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
     assert llm.runner.block_tables.row_of == {}
 

@@ -87,6 +87,13 @@ class TritonAttention(TorchAttention):
 
     name = "triton"
 
+    def __init__(self, config, device: torch.device):
+        super().__init__(config, device)
+        if config.head_dim & (config.head_dim - 1) or config.head_dim < 16:  # the kernels' tiles: tl.arange, tl.dot
+            raise ValueError(f"attention_backend='triton' (the default on CUDA): the kernels need head_dim to be a "
+                             f"power of two >= 16, and this model's is {config.head_dim}; attention_backend='torch' "
+                             "runs it")
+
     def metadata(self, work, slots: torch.Tensor, block_size: int) -> AttentionMetadata:
         """Nothing loops, so no sequence needs the loop's context slots or masks: the decodes get their block
         tables and lengths, the chunks theirs."""

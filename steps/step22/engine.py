@@ -124,10 +124,12 @@ class LLM:
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException as e:  # a worker's own error says more than the closed connection rank 0 saw
-            failure = self.workers.failure(wait_s=5) if self.workers and not isinstance(e, WorkerError) else None
+            # (a ValueError of rank 0's own is the caller's: a bad option or checkpoint, which the workers share)
+            failure = (self.workers.failure(wait_s=5)
+                       if self.workers and not isinstance(e, (WorkerError, ValueError)) else None)
             self.shutdown()
             if failure:
-                raise WorkerError(failure) from e
+                raise failure from e
             raise
         self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
         self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers

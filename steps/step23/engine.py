@@ -39,7 +39,12 @@ Added by step, oldest first (each step's outputs equal the one before it, with t
 - step23: what a streaming engine needs (async_llm.py's AsyncLLM runs this LLM in a thread of its own):
   step(partial=True) also returns the requests that got a token and go on, their text held back by the longest stop
   string's length minus one, so that a later stop string never takes back text already sent; add_request takes the
-  caller's request_id; abort_request returns what it dropped.
+  caller's request_id; abort_request returns what it dropped. A step that fails fails one request at most: alone,
+  its request is dropped (its caller gets the error); beside others the culprit is not known, so each of them is put
+  back, preempted (its tokens kept, its KV recomputed), and runs alone until it gets a token (_fail_step, the
+  scheduler's suspects): only a request whose own inputs fail a step fails, and the others get the tokens they would
+  have had. The step raises its error all the same (its caller may know better: step26's core dies of a device
+  error). max_logprobs (vLLM's option, default 20) bounds the logprobs a request asks for, checked with the request.
 """
 from __future__ import annotations
 
@@ -49,8 +54,8 @@ import weakref
 import torch
 
 from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams, Tokenizer, check_conversations,
-                    check_engine_options, check_length, normalize_prompts, normalize_sampling_params,
-                    resolve_device_dtype, resolve_model)
+                    check_engine_options, check_length, check_logprobs, check_max_logprobs, normalize_prompts,
+                    normalize_sampling_params, resolve_device_dtype, resolve_model)
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
@@ -93,7 +98,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_kv_tokens: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
                  attention_backend: str | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, max_logprobs: int = 20):
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)  # "auto" or "int8", checked before anything loads
         self.enforce_eager = check_enforce_eager(enforce_eager)
         check_tensor_parallel_size(tensor_parallel_size)  # its type now; how it splits the model once it is found
@@ -103,12 +108,13 @@ class LLM:
         check_engine_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              gpu_memory_utilization=gpu_memory_utilization, max_kv_tokens=max_kv_tokens,
                              block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                             may_be_none=("max_kv_tokens",))
+                             max_logprobs=max_logprobs, may_be_none=("max_kv_tokens",))
         self.model_name = str(model)
         model_dir = resolve_model(model)
         # the split must fit the model's heads: checked on its config, before any process starts
         config = ModelConfig.from_json(model_dir / "config.json")
         self.tensor_parallel_size = check_tensor_parallel_size(tensor_parallel_size, config, self.device)
+        self.max_logprobs = check_max_logprobs(max_logprobs, config.vocab_size)  # step23: a request's most logprobs
         self.tokenizer = Tokenizer(model_dir)
         options = dict(dtype=self.dtype, attention_backend=choose_attention_backend(attention_backend, self.device),
                        kv_cache_dtype=kv_cache_dtype, enforce_eager=self.enforce_eager, max_num_seqs=max_num_seqs,
@@ -128,13 +134,16 @@ class LLM:
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException as e:  # a worker's own error says more than the closed connection rank 0 saw
-            failure = self.workers.failure(wait_s=5) if self.workers and not isinstance(e, WorkerError) else None
+            # (a ValueError of rank 0's own is the caller's: a bad option or checkpoint, which the workers share)
+            failure = (self.workers.failure(wait_s=5)
+                       if self.workers and not isinstance(e, (WorkerError, ValueError)) else None)
             self.shutdown()
             if failure:
-                raise WorkerError(failure) from e
+                raise failure from e
             raise
         self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
         self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers
+        self.stats["requeued_after_failure"] = 0  # step23: requests put back by a step that failed beside them
         self.max_model_len = self.model.config.max_position_embeddings
         num_blocks = self.memory["num_blocks"]
         if self.cuda_graphs["enabled"]:
@@ -187,6 +196,7 @@ class LLM:
         params = normalize_sampling_params(sampling_params, len(prompts), SamplingParams(temperature=0))
         for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
             check_length(i, len(ids), sp, self.max_model_len)
+            check_logprobs(i, sp, self.max_logprobs)
             self._check_fits_kv_budget(i, len(ids), sp)
         # Everything is checked above, before anything is queued.
         request_ids = [self._add(text, ids, sp) for (text, ids), sp in zip(prompts, params)]
@@ -219,6 +229,7 @@ class LLM:
         (text, ids), = normalize_prompts([prompt], self.tokenizer, self.model.config.vocab_size, one=True)
         sp = normalize_sampling_params(sampling_params, 1, SamplingParams(temperature=0))[0]
         check_length(0, len(ids), sp, self.max_model_len)
+        check_logprobs(0, sp, self.max_logprobs)
         self._check_fits_kv_budget(0, len(ids), sp)
         return text, ids, sp
 
@@ -289,9 +300,8 @@ class LLM:
                     if len(rows) < len(scheduled):  # the index goes to the device without a wait (pinned)
                         logits = logits[to_device(torch.tensor(rows), logits.device)]
                 self._append_tokens(sampled, logits)
-        except BaseException:  # a failure mid-step leaves these sequences half-updated: drop them, then re-raise
-            for seq in scheduled:
-                self.abort_request(seq.request_id)
+        except BaseException:  # a failure mid-step leaves these sequences half-updated (_fail_step), then re-raise
+            self._fail_step(scheduled)
             raise
         with timer("schedule"):
             finished = [seq for seq in scheduled if seq.finish is not None]
@@ -302,6 +312,20 @@ class LLM:
             if partial and rows:  # the requests that got a token and go on
                 outputs += [seq.partial_output() for seq in sampled if seq.finish is None]
             return outputs
+
+    def _fail_step(self, seqs: list[Sequence]) -> None:
+        """step23: a step raised, and left these sequences half-updated. One that ran alone failed on its own inputs:
+        it is dropped (it leaves the queues, its blocks are freed) and its caller gets the error. Beside others, which
+        one failed the step is not known: each is put back (scheduler.requeue: preempted, its tokens kept and its KV
+        recomputed, so the same tokens follow) and runs alone until it gets a token, where a failure is its own. A
+        sequence no longer queued or running is left alone."""
+        live = [seq for seq in dict.fromkeys(seqs) if self.scheduler.requests.get(seq.request_id) is seq]
+        if len(live) == 1:
+            self.scheduler.finish(live[0])
+            return
+        for seq in live:
+            self.scheduler.requeue(seq)
+        self.stats["requeued_after_failure"] += len(live)
 
     def chat(self, conversations, sampling_params=None) -> list[RequestOutput]:
         prompts = [self.tokenizer.apply_chat_template(c) for c in check_conversations(conversations)]
@@ -343,6 +367,9 @@ class LLM:
                 seq.append_token(next_id)
                 seq.metrics.token_times.append(now)
                 seq.metrics.first_token_time = seq.metrics.first_token_time or now
+            if self.scheduler.num_suspects:  # step23: a suspect that got a token (alone) runs with the others again
+                for seq in seqs:
+                    self.scheduler.clear_suspect(seq)
         with self.timers.phase("detokenize"):
             for seq in seqs:
                 seq.finish = self._check_stop(seq)

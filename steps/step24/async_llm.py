@@ -3,8 +3,10 @@
 token (cumulative text and token ids, vLLM's default; the last has finished=True), `await engine.abort(request_id)`
 ends a request and frees its blocks, `engine.shutdown()` stops it. One background thread runs the step loop (the
 LLM of engine.py, untouched by any other thread) and hands each step's outputs to the streams' queues, so the event
-loop never waits for a step. A step that fails reaches every stream it served as an exception; the loop goes on. An
-error outside a step kills the loop: every open stream and every later call gets EngineDeadError.
+loop never waits for a step. A step that fails reaches the stream of the request that failed it as an exception;
+the loop goes on. The LLM finds that request (engine.py's _fail_step): a step of several requests that fails puts
+them all back, each to run alone until it gets a token, so a request beside the one that fails loses nothing but a
+recompute. An error outside a step kills the loop: every open stream and every later call gets EngineDeadError.
 
 This file is the engine's front end, as vLLM's async_llm.py is: the callers' side (an event loop) and the step
 loop's (its thread). engine.py stays the offline engine, which the step loop drives.
@@ -73,10 +75,10 @@ class AsyncLLM:
     One thread, the step loop, owns the LLM: it takes the callers' commands (add, abort) between steps, runs a step
     whenever a request is queued or running, and puts each output in its request's queue. The event loop only
     puts commands and reads queues, so it never waits for a step. A caller that stops reading (breaks out of the
-    loop, is cancelled) aborts its request; a step that fails ends every stream it served with EngineStepError,
-    and the loop serves the next requests; shutdown() ends every stream with EngineShutDown. An error outside a
-    step (in the loop's own code) kills the loop: every open stream, and every later call, gets EngineDeadError,
-    and `errored` turns True.
+    loop, is cancelled) aborts its request; a step that fails ends the stream of the request that failed it alone
+    with EngineStepError (the others of a failed step run on: LLM._fail_step), and the loop serves on; shutdown()
+    ends every stream with EngineShutDown. An error outside a step (in the loop's own code) kills the loop: every
+    open stream, and every later call, gets EngineDeadError, and `errored` turns True.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
@@ -235,7 +237,8 @@ class AsyncLLM:
                 continue
             try:
                 outputs = llm.step(partial=True)
-            except Exception as e:  # the step's requests were dropped (LLM._step): their streams end with the error
+            except Exception as e:  # the request that failed a step alone was dropped (LLM._fail_step): its stream
+                # ends with the error; the requests of a step of several were put back, each to run alone
                 self.stats["failed_steps"] += 1
                 dropped = [request_id for request_id in self._submitted if request_id not in llm.scheduler.requests]
                 self._submitted.difference_update(dropped)

@@ -18,8 +18,8 @@ stop token ids and max_tokens (no text needed), and the front end, which decodes
 and aborts the request in the core.
 
 Ready carries what the front end needs of the engine to check a request before it sends it (the vocabulary, the
-model's context, the KV pool); Stats carries the core's state on request (its queues, free blocks, CPU time, the
-engine's own counters).
+model's context, the KV pool, max_logprobs); Stats carries the core's state on request (its queues, free blocks,
+CPU time, the engine's own counters).
 """
 from __future__ import annotations
 
@@ -110,6 +110,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     max_model_len: int  # the model's context, in tokens
     num_blocks: int  # the KV pool: num_blocks blocks of block_size tokens
     block_size: int
+    max_logprobs: int  # the most logprobs a request may ask for (the engine's max_logprobs)
 
 
 ToCore = Add | Abort | GetStats

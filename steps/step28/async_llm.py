@@ -17,8 +17,8 @@ The core knows each request by a name of its own (core_id), never reused, so tha
 as soon as its request has ended: outputs the core still sends for the old one, and the abort that ends it there,
 can never reach the new one. One thread of its own reads the core's socket (with a timeout, so it also sees the core
 die): a core that dies (killed, or it could not serve on) ends every open stream and every later call with
-EngineDeadError. A step that fails in the core ends the streams it served with EngineStepError, and the core serves
-on.
+EngineDeadError. A step that fails in the core ends the stream of the request that failed it with EngineStepError
+(the others of a failed step run on, each alone for a while: engine.py's _fail_step), and the core serves on.
 """
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ import msgspec
 import zmq
 
 from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, Tokenizer,
-                    check_fits_kv_pool, check_length, normalize_prompts, normalize_sampling_params, resolve_model)
+                    check_fits_kv_pool, check_length, check_logprobs, normalize_prompts, normalize_sampling_params,
+                    resolve_model)
 
 from . import wire
 from .detokenizer import IncrementalDetokenizer
@@ -243,6 +244,7 @@ class AsyncLLM:
         (text, ids), = normalize_prompts([prompt], self.tokenizer, self._ready.vocab_size, one=True)
         sp = normalize_sampling_params(sampling_params, 1, SamplingParams(temperature=0))[0]
         check_length(0, len(ids), sp, self._ready.max_model_len)
+        check_logprobs(0, sp, self._ready.max_logprobs)
         check_fits_kv_pool(0, len(ids), sp, self._ready.num_blocks, self._ready.block_size)
         return text, ids, sp
 

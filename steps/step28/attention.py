@@ -93,6 +93,10 @@ class TritonAttention(TorchAttention):
 
     def __init__(self, config, device: torch.device):
         super().__init__(config, device)
+        if config.head_dim & (config.head_dim - 1) or config.head_dim < 16:  # the kernels' tiles: tl.arange, tl.dot
+            raise ValueError(f"attention_backend='triton' (the default on CUDA): the kernels need head_dim to be a "
+                             f"power of two >= 16, and this model's is {config.head_dim}; attention_backend='torch' "
+                             "runs it")
         # Flash decoding's split rule (kernels/decode.py's choose_num_splits): the GPU's multiprocessor count, and
         # the shortest part worth a program of its own. On a CPU the count only changes how the work is cut.
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from shared import DEFAULT_MODEL, check_engine_options, resolve_device_dtype, resolve_model
+from shared import DEFAULT_MODEL, check_engine_options, check_max_logprobs, resolve_device_dtype, resolve_model
 
 from .model import ModelConfig, check_kv_cache_dtype
 from .model_runner import CPU_DEFAULT_KV_TOKENS
@@ -78,6 +78,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     tensor_parallel_size: int = 1  # ranks: this process and N - 1 workers
     async_scheduling: bool | None = None  # step25: the overlapped order; None: on with cuda, off elsewhere
+    max_logprobs: int = 20  # step23: the most logprobs a request may ask for (at most the vocabulary)
     # step27: n-gram drafts, {"method": "ngram", "num_speculative_tokens": k, ...}; after: a SpeculativeConfig or None
     speculative_config: SpeculativeConfig | dict | None = None
     # found from `model` during the checks: its folder and its config.json
@@ -100,12 +101,13 @@ class EngineConfig:
         check_engine_options(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                              gpu_memory_utilization=self.gpu_memory_utilization, max_kv_tokens=self.max_kv_tokens,
                              block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-                             may_be_none=("max_kv_tokens",))
+                             max_logprobs=self.max_logprobs, may_be_none=("max_kv_tokens",))
         self.attention_backend = choose_attention_backend(self.attention_backend, self.device)
         # every option is checked: only now is the model found (a random one is built, the default converted)
         self.model_dir = resolve_model(self.model)
         self.model = str(self.model)
         self.model_config = ModelConfig.from_json(self.model_dir / "config.json")
+        check_max_logprobs(self.max_logprobs, self.model_config.vocab_size)
         # the split must fit the model's heads: checked on its config, before any process starts
         check_tensor_parallel_size(self.tensor_parallel_size, self.model_config, self.device)
 

@@ -275,3 +275,9 @@ def free_port() -> int:
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker died, failed or did not answer: the engine cannot run a step without it."""
+
+
+class WorkerValueError(WorkerError, ValueError):
+    """A worker's ValueError, raised on rank 0: a bad option, or a checkpoint that does not fit that rank's share,
+    is a ValueError to the caller, as it is on one rank; still a WorkerError, whose message names the worker and
+    ends with the worker's own error."""

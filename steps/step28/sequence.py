@@ -64,6 +64,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block of its tokens, computed
     # once, as the block fills (block_manager.hash_new_blocks), and kept for life: preemption does not drop them
     num_cached_blocks: int = 0  # how many blocks of block_table are registered in the prefix cache
+    suspect: bool = False  # step23: put back by a step that failed beside it; runs alone until it gets a token
     num_output_placeholders: int = 0  # step25: its tokens sampled on the device and not read yet (not in token_ids)
 
     def __post_init__(self):

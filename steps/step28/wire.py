@@ -21,8 +21,8 @@ last of them; so a delta carries the cumulative logprob after each of its tokens
 one after the last token it keeps.
 
 Ready carries what the front end needs of the engine to check a request before it sends it (the vocabulary, the
-model's context, the KV pool); Stats carries the core's state on request (its queues, free blocks, CPU time, the
-engine's own counters).
+model's context, the KV pool, max_logprobs); Stats carries the core's state on request (its queues, free blocks,
+CPU time, the engine's own counters).
 """
 from __future__ import annotations
 
@@ -113,6 +113,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     max_model_len: int  # the model's context, in tokens
     num_blocks: int  # the KV pool: num_blocks blocks of block_size tokens
     block_size: int
+    max_logprobs: int  # the most logprobs a request may ask for (the engine's max_logprobs)
 
 
 ToCore = Add | Abort | GetStats

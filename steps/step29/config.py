@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 
-from shared import DEFAULT_MODEL, check_engine_options, resolve_device_dtype, resolve_model
+from shared import DEFAULT_MODEL, check_engine_options, check_max_logprobs, resolve_device_dtype, resolve_model
 from shared.models import shipped_gguf
 
 from .model import ModelConfig, check_kv_cache_dtype
 from .model_runner import CPU_DEFAULT_KV_TOKENS
 from .parallel import check_tensor_parallel_size
+from .quant import GROUP
 from .speculative import SpeculativeConfig
 
 # step27: verify steps of up to this many requests replay a graph (fewer if disable_by_batch_size says so); a
@@ -64,6 +65,19 @@ def choose_attention_backend(asked: str | None, device: torch.device) -> str:
 QUANTIZATIONS = ("int4",)  # step29: quantization's names besides None (the checkpoint as shipped)
 
 
+def check_int4_widths(config: ModelConfig, size: int, what: str) -> None:
+    """step29: 4-bit weights are blocks of GROUP inputs (quant.py), so every projection's inputs on a rank must be
+    whole blocks: q/k/v and gate/up read the whole hidden state on every rank; o_proj and down_proj, cut by their
+    inputs (row-parallel), 1/size of theirs. Checked on the config, before a worker starts or a weight loads. `what`
+    names where the blocks come from, for the message."""
+    widths = {"q/k/v_proj and gate/up_proj": config.hidden_size, "o_proj": config.num_heads * config.head_dim // size,
+              "down_proj": config.intermediate_size // size}
+    for name, inputs in widths.items():
+        if inputs % GROUP:
+            raise ValueError(f"{what}, tensor_parallel_size={size}: {name} has {inputs} inputs on each rank, not whole "
+                             f"4-bit blocks of {GROUP}")
+
+
 def check_quantization(quantization):
     """step29: None (the linear weights as the checkpoint ships them) or one of QUANTIZATIONS."""
     if quantization is not None and quantization not in QUANTIZATIONS:
@@ -90,6 +104,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     tensor_parallel_size: int = 1  # ranks: this process and N - 1 workers
     async_scheduling: bool | None = None  # step25: the overlapped order; None: on with cuda, off elsewhere
+    max_logprobs: int = 20  # step23: the most logprobs a request may ask for (at most the vocabulary)
     # step27: n-gram drafts, {"method": "ngram", "num_speculative_tokens": k, ...}; after: a SpeculativeConfig or None
     speculative_config: SpeculativeConfig | dict | None = None
     # step29: the linear layers' weights. None: as the checkpoint ships them (the embedded model: its GGUF's 4-bit
@@ -116,7 +131,7 @@ class EngineConfig:
         check_engine_options(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                              gpu_memory_utilization=self.gpu_memory_utilization, max_kv_tokens=self.max_kv_tokens,
                              block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-                             may_be_none=("max_kv_tokens",))
+                             max_logprobs=self.max_logprobs, may_be_none=("max_kv_tokens",))
         self.attention_backend = choose_attention_backend(self.attention_backend, self.device)
         self.quantization = check_quantization(self.quantization)  # step29
         # every option is checked: only now is the model found (a random one is built, the default converted)
@@ -125,8 +140,12 @@ class EngineConfig:
         # step29: where the 4-bit blocks come from: the shipped GGUF file (read as stored), or int4 on load
         self.gguf_file = shipped_gguf(self.model) if self.quantization is None else None
         self.model_config = ModelConfig.from_json(self.model_dir / "config.json")
+        check_max_logprobs(self.max_logprobs, self.model_config.vocab_size)
         # the split must fit the model's heads: checked on its config, before any process starts
         check_tensor_parallel_size(self.tensor_parallel_size, self.model_config, self.device)
+        if self.quantization == "int4" or self.gguf_file is not None:  # step29: whole 4-bit blocks on every rank
+            check_int4_widths(self.model_config, self.tensor_parallel_size,
+                              "quantization='int4'" if self.quantization else "the checkpoint's 4-bit Q4_1 blocks")
 
     @property
     def max_model_len(self) -> int:

@@ -25,12 +25,19 @@ host reads step N, finishes what it finished, builds the outputs, and schedules 
 the host has not read is a placeholder of its sequence, only counted (num_output_placeholders); the device keeps it
 (the runner's last_token) and the next step's inputs read it there (execute's placeholders). Finish is known one step
 late: a request that step N finishes was already scheduled into step N + 1, whose token for it is thrown away
-(stats["discarded_tokens"]), never emitted. A launch or a read that fails drops its step's requests and leaves no
-step in flight. The CPU runs the same order on its one stream. async_scheduling=False runs each step's tokens
-read before the next is scheduled (_step).
+(stats["discarded_tokens"]), never emitted. A launch or a read that fails leaves no step in flight, and the requests
+of the two steps it touched fail as one step (below). The CPU runs the same order on its one stream.
+async_scheduling=False runs each step's tokens read before the next is scheduled (_step).
 
 Streaming: step(partial=True) also returns the requests that got a token and go on, their text held back by the
 longest stop string's length minus one, so that a later stop string never takes back text already sent.
+max_logprobs (vLLM's option, default 20) bounds the logprobs a request asks for, checked with the request.
+
+A step that fails (step23's rule, _fail_step) fails one request at most. A request that ran alone in it is dropped,
+and its caller gets the error. The requests of a step of several are put back, preempted (their tokens kept, their
+KV recomputed), each a suspect that the scheduler runs alone until it gets a token, in synchronous steps (no step
+in flight): only a request whose own inputs fail a step fails, and the others get the tokens they would have had.
+The step raises its error all the same (its caller may know better: step26's core dies of a device error).
 
 Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
 the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto", or "int8": K and V as int8 with an
@@ -60,7 +67,7 @@ from types import SimpleNamespace
 import torch
 
 from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams, Tokenizer, check_conversations,
-                    check_length, normalize_prompts, normalize_sampling_params)
+                    check_length, check_logprobs, normalize_prompts, normalize_sampling_params)
 
 from .block_manager import BlockManager
 from .config import EngineConfig, check_enforce_eager, choose_async_scheduling, choose_attention_backend  # noqa: F401
@@ -134,7 +141,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_kv_tokens: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
                  attention_backend: str | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1, async_scheduling: bool | None = None,
+                 tensor_parallel_size: int = 1, async_scheduling: bool | None = None, max_logprobs: int = 20,
                  speculative_config: dict | None = None, quantization: str | None = None):
         # Every option checked, the auto ones resolved and the model found (config.py), before anything loads.
         self.config = config = EngineConfig(
@@ -142,7 +149,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
-            tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling,
+            tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling, max_logprobs=max_logprobs,
             speculative_config=speculative_config, quantization=quantization)
         self.model_name, self.device, self.dtype = config.model, config.device, config.dtype
         self.async_scheduling = config.async_scheduling  # step25: read at every step (run.py switches it)
@@ -164,15 +171,18 @@ class LLM:
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException as e:  # a worker's own error says more than the closed connection rank 0 saw
-            failure = self.workers.failure(wait_s=5) if self.workers and not isinstance(e, WorkerError) else None
+            # (a ValueError of rank 0's own is the caller's: a bad option or checkpoint, which the workers share)
+            failure = (self.workers.failure(wait_s=5)
+                       if self.workers and not isinstance(e, (WorkerError, ValueError)) else None)
             self.shutdown()
             if failure:
-                raise WorkerError(failure) from e
+                raise failure from e
             raise
         self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
         # step25: with workers, rank 0 sends them each step's sampled tokens on the devices (placeholders' inputs)
         self.runner.share_tokens = self.async_scheduling and self.workers is not None
         self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers
+        self.stats["requeued_after_failure"] = 0  # step23: requests put back by a step that failed beside them
         # step25: tokens computed for requests that had finished (thrown away); launches that began while the step
         # before still ran on the device (CUDA: its results' event not reached yet)
         self.stats.update(discarded_tokens=0, overlapped_launches=0)
@@ -183,6 +193,7 @@ class LLM:
                           spec_steps=0, spec_disabled_steps=0, spec_undraftable_steps=0,
                           emitted_tokens=0)
         self.max_model_len = config.max_model_len
+        self.max_logprobs = config.max_logprobs  # step23: a request's most logprobs
         self.backend = describe_engine(config, self.model, self.memory, self.cuda_graphs, self.tp)
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
         # a request's released blocks free its block-table row in the runner
@@ -218,6 +229,7 @@ class LLM:
         params = normalize_sampling_params(sampling_params, len(prompts), SamplingParams(temperature=0))
         for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
             check_length(i, len(ids), sp, self.max_model_len)
+            check_logprobs(i, sp, self.max_logprobs)
             self._check_fits_kv_budget(i, len(ids), sp)
         # Everything is checked above, before anything is queued.
         request_ids = [self._add(text, ids, sp) for (text, ids), sp in zip(prompts, params)]
@@ -250,6 +262,7 @@ class LLM:
         (text, ids), = normalize_prompts([prompt], self.tokenizer, self.model.config.vocab_size, one=True)
         sp = normalize_sampling_params(sampling_params, 1, SamplingParams(temperature=0))[0]
         check_length(0, len(ids), sp, self.max_model_len)
+        check_logprobs(0, sp, self.max_logprobs)
         self._check_fits_kv_budget(0, len(ids), sp)
         return text, ids, sp
 
@@ -301,8 +314,12 @@ class LLM:
             self.stats["spec_undraftable_steps"] += 1
         if drafting and self.in_flight is not None:  # step27: drafts need every token read: read the step in flight
             step_n, self.in_flight = self.in_flight, None
-            return self._read_step(step_n, partial)
-        if self.async_scheduling and not drafting:
+            try:
+                return self._read_step(step_n, partial)
+            except BaseException:  # a read that fails fails its requests as one step
+                self._fail_step(step_n.seqs)
+                raise
+        if self.async_scheduling and not drafting and not self.scheduler.num_suspects:  # step23's suspects: in sync
             return self._step_async(partial)
         timer = self.timers.phase
         with timer("schedule"):
@@ -346,8 +363,8 @@ class LLM:
                 sampled = []
             if spec:
                 self._verify(spec, scheduled, logits, first_row)
-        except BaseException:  # a failure mid-step leaves these sequences half-updated: drop them, then re-raise
-            self._drop(scheduled)
+        except BaseException:  # a failure mid-step leaves these sequences half-updated (_fail_step), then re-raise
+            self._fail_step(scheduled)
             raise
         with timer("schedule"):
             finished = [seq for seq in scheduled if seq.finish is not None]
@@ -436,6 +453,22 @@ class LLM:
         with self.timers.phase("schedule"):
             self.scheduler.postprocess_verified([(seq, len(v.tokens)) for seq, v in zip(seqs, verdicts)])
 
+    def _fail_step(self, seqs: list[Sequence]) -> None:
+        """step23: a step raised, and left these sequences half-updated. One that ran alone failed on its own inputs:
+        it is dropped (it leaves the queues, its blocks are freed) and its caller gets the error. Beside others, which
+        one failed the step is not known: each is put back (scheduler.requeue: preempted, its tokens kept and its KV
+        recomputed, so the same tokens follow) and runs alone until it gets a token, where a failure is its own. A
+        sequence no longer queued or running is left alone. step25: a suspect runs in synchronous steps (_step)."""
+        live = [seq for seq in dict.fromkeys(seqs) if self.scheduler.requests.get(seq.request_id) is seq]
+        if len(live) == 1:
+            self.scheduler.finish(live[0])
+            return
+        for seq in live:
+            seq.num_output_placeholders = 0  # step25: its tokens in flight are never read
+            seq.token_ids = seq.prompt_ids + seq.output_ids  # step27: no draft of a verify step that failed stays
+            self.scheduler.requeue(seq)
+        self.stats["requeued_after_failure"] += len(live)
+
     def chat(self, conversations, sampling_params=None) -> list[RequestOutput]:
         prompts = [self.tokenizer.apply_chat_template(c) for c in check_conversations(conversations)]
         return self.generate(prompts, sampling_params)
@@ -485,6 +518,9 @@ class LLM:
                     seq.num_output_placeholders -= 1
                 seq.metrics.token_times.append(now)
                 seq.metrics.first_token_time = seq.metrics.first_token_time or now
+            if self.scheduler.num_suspects:  # step23: a suspect that got a token (alone) runs with the others again
+                for seq in seqs:
+                    self.scheduler.clear_suspect(seq)
             self.stats["emitted_tokens"] += len(seqs)
         with self.timers.phase("detokenize"):
             for seq, next_id in zip(seqs, next_ids):
@@ -505,8 +541,8 @@ class LLM:
         try:
             self.in_flight = self._launch(work) if work else None
             outputs = self._read_step(step_n, partial) if step_n is not None else []
-        except BaseException:  # a launch or a read failed: its requests are dropped, and no step stays in flight
-            self._drop_failed_step(work, step_n)
+        except BaseException:  # a launch or a read failed: no step stays in flight, its requests fail as one step
+            self._fail_overlapped_steps(work, step_n)
             raise
         if work:
             with self.timers.phase("schedule"):  # a request step N finished or that was aborted is gone already
@@ -548,11 +584,7 @@ class LLM:
         each joins its sequence's tokens in place of a placeholder, then what finishes is finished. A sequence that
         finished at the step before (its token here was computed after its end) or was aborted is skipped: the token
         is thrown away."""
-        try:
-            next_ids, chosen, tops = self.runner.read_sampled(step.results)
-        except BaseException:  # these sequences counted a token that never came: drop them
-            self._drop(step.seqs)
-            raise
+        next_ids, chosen, tops = self.runner.read_sampled(step.results)  # if it fails, its caller fails the step
         live = [i for i, seq in enumerate(step.seqs) if seq.status is not SequenceStatus.FINISHED]
         self.stats["discarded_tokens"] += len(step.seqs) - len(live)
         seqs = [step.seqs[i] for i in live]
@@ -568,16 +600,10 @@ class LLM:
                 outputs += [seq.partial_output() for seq in seqs if seq.finish is None]
             return outputs
 
-    def _drop_failed_step(self, work, step_n: SimpleNamespace | None) -> None:
-        """After a launch or a read that failed (_step_async): the sequences of step N + 1 (the work) and of step N are
-        half-updated (placeholders counted for tokens never computed or read), and are dropped; no step is left in
-        flight, whose results a later step would read (after a device error they cannot be read at all)."""
+    def _fail_overlapped_steps(self, work, step_n: SimpleNamespace | None) -> None:
+        """After a launch or a read that failed (_step_async): no step is left in flight, whose results a later step
+        would read (after a device error they cannot be read at all). The sequences of step N + 1 (the work) and of
+        step N are half-updated (placeholders counted for tokens never computed or read): they fail as one step
+        (_fail_step), one alone dropped, several put back."""
         self.in_flight = None
-        self._drop([seq for seq, _ in work] + (step_n.seqs if step_n is not None else []))
-
-    def _drop(self, seqs: list[Sequence]) -> None:
-        """Drop these sequences (a failed step left them half-updated): each leaves the queues and frees its blocks,
-        unless it has ended already (then its request id may name a newer request, which is left alone)."""
-        for seq in seqs:
-            if self.scheduler.requests.get(seq.request_id) is seq:
-                self.scheduler.finish(seq)
+        self._fail_step([seq for seq, _ in work] + (step_n.seqs if step_n is not None else []))

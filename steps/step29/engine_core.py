@@ -20,7 +20,9 @@ step27: a delta carries the cumulative logprob after each of its tokens (wire.py
 until a delta takes them.
 
 A message that fails to decode is an Error named in the core's log (stderr), and the core serves on. An ordinary
-error in a step fails the requests of that step, and the core serves on. The core dies when it can no longer serve:
+error in a step fails the request that failed it alone (LLM._fail_step: the requests of a step of several are put
+back, each to run alone until it gets a token, so that a request whose own inputs fail a step fails alone), and the
+core serves on. The core dies when it can no longer serve:
 an IO thread died (it no longer hears the front end, or can no longer answer it), a step raised a device error
 (CUDA's errors are sticky: every later step would fail too), or its loop failed outside a step. It then sends a
 fatal Error (if its output thread still can) and exits with status 1; the front end ends every open stream. The
@@ -70,8 +72,8 @@ def is_device_error(error: BaseException) -> bool:
 class _CoreLLM(LLM):
     """The offline engine as the core runs it: it stops on EOS, stop token ids and max_tokens, and decodes no text
     (stop strings and text are the front end's). A step that fails leaves no step in flight, as every LLM's does
-    (its requests dropped, and those of the step in flight: LLM._step_async). step27: it keeps the cumulative
-    logprob after each new token until a delta takes it (unsent_cumulative)."""
+    (LLM._step_async; its requests, and those of the step in flight, fail as one step: LLM._fail_step). step27:
+    it keeps the cumulative logprob after each new token until a delta takes it (unsent_cumulative)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -131,7 +133,8 @@ class EngineCore:
                 continue
             try:
                 finished = {out.request_id: out for out in llm.step()}  # the offline step: only finished outputs
-            except Exception as e:  # the step's requests were dropped (LLM._step): each gets the error
+            except Exception as e:  # a request that failed a step alone was dropped (LLM._fail_step): it gets the
+                # error; the requests of a step of several were put back, each to run alone
                 if is_device_error(e):  # every later step would fail too
                     raise CoreFatalError(f"a device error in a step: {type(e).__name__}: {e}") from e
                 self.stats["failed_steps"] += 1
@@ -289,7 +292,7 @@ def run_engine_core(model: str, engine_options: dict, input_addr: str, output_ad
     core = EngineCore(llm)
     bm = llm.block_manager
     out.send(encoder.encode(Ready(PROTOCOL_VERSION, llm.model.config.vocab_size, llm.max_model_len, bm.num_blocks,
-                                  bm.block_size)))
+                                  bm.block_size, llm.max_logprobs)))
     threading.Thread(target=_input_thread, args=(inp, core), name="core input", daemon=True).start()
     writer = threading.Thread(target=_output_thread, args=(out, core), name="core output", daemon=True)
     writer.start()

@@ -54,11 +54,15 @@ def check_tensor_parallel_size(size, config=None, device: torch.device | None = 
                                expert_parallel: bool = False) -> int:
     """tensor_parallel_size (vLLM's name) must be a positive int; given the model's config, one that divides its
     attention heads, KV heads and MLP width (each rank holds the same share); on CUDA, no more than the GPUs.
-    step31: a mixture of experts' experts (expert_parallel) or their width (not)."""
+    step31: a mixture of experts' experts (expert_parallel) or their width (not); expert_parallel on a model without
+    experts is refused (there is nothing to split), at any size."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
     if config is None:
         return size
+    if expert_parallel and not config.num_experts:  # step31
+        raise ValueError(f"enable_expert_parallel=True: this model has no experts (a dense {config.model_type} model, "
+                         "num_experts 0), so there are none to split over the ranks; leave it False")
     if config.num_heads % size or config.num_kv_heads % size:
         raise ValueError(f"tensor_parallel_size={size} must divide the model's attention heads and KV heads: "
                          f"{config.num_heads} heads and {config.num_kv_heads} KV heads do not split into {size} "
@@ -304,3 +308,9 @@ def free_port() -> int:
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker died, failed or did not answer: the engine cannot run a step without it."""
+
+
+class WorkerValueError(WorkerError, ValueError):
+    """A worker's ValueError, raised on rank 0: a bad option, or a checkpoint that does not fit that rank's share,
+    is a ValueError to the caller, as it is on one rank; still a WorkerError, whose message names the worker and
+    ends with the worker's own error."""

@@ -24,8 +24,8 @@ from .attention import BACKENDS
 from .config import EngineConfig
 from .model import CausalLM
 from .model_runner import ModelRunner
-from .parallel import (TIMEOUT_S, TensorParallel, WorkerError, free_port, pack_work, rank_device,  # noqa: F401
-                       unpack_work)
+from .parallel import (TIMEOUT_S, TensorParallel, WorkerError, WorkerValueError, free_port, pack_work,  # noqa: F401
+                       rank_device, unpack_work)
 from .timers import PhaseTimers
 
 
@@ -147,23 +147,34 @@ class Workers:
                     break
                 if kind == word:
                     return detail
-                self._fail(f"tensor-parallel worker {rank} (pid {p.pid}) failed:\n{detail}")
+                self._fail(self._error(rank, p, detail))
             if not p.is_alive():
                 break
         self.check_alive()
         self._fail(f"tensor-parallel worker {rank} (pid {p.pid}) did not get {word} within {self.timeout_s:.0f} s")
 
-    def _fail(self, message: str):
-        self.failed = self.failed or message
-        raise WorkerError(message)
+    def _fail(self, error: WorkerError | str):
+        error = error if isinstance(error, WorkerError) else WorkerError(error)
+        self.failed = self.failed or str(error)
+        raise error
 
-    def stop_steps(self, reason: str) -> None:
+    @staticmethod
+    def _error(rank: int, p, detail) -> WorkerError:
+        """What a worker reported, ("error", (its traceback, whether it was a ValueError)), as the error rank 0 raises,
+        naming the worker: a ValueError stays one (WorkerValueError: a bad option or a checkpoint that does not fit
+        that rank's share is the caller's ValueError, as it is on one rank), anything else is a WorkerError."""
+        text, value_error = detail if isinstance(detail, tuple) else (detail, False)
+        return (WorkerValueError if value_error else WorkerError)(
+            f"tensor-parallel worker {rank} (pid {p.pid}) failed:\n{text}")
+
+    def stop_steps(self, reason: WorkerError | str) -> None:
         """No step may run any more (the ranks are out of step): every later step raises WorkerError(reason)."""
-        self.failed = self.failed or reason
+        self.failed = self.failed or str(reason)
 
-    def failure(self, wait_s: float) -> str | None:
-        """What a worker reported or how it ended, waiting up to wait_s for it: after rank 0's own build failed (a
-        worker's error usually comes first, and rank 0's collective only saw the connection close). None: none."""
+    def failure(self, wait_s: float) -> WorkerError | None:
+        """What a worker reported or how it ended, waiting up to wait_s for it, as the error to raise (_error): after
+        rank 0's own build failed (a worker's error usually comes first, and rank 0's collective only saw the
+        connection close). None: none."""
         deadline = time.monotonic() + wait_s
         while True:
             for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
@@ -171,11 +182,11 @@ class Workers:
                     if conn.poll(0):
                         kind, detail = conn.recv()
                         if kind == "error":
-                            return f"tensor-parallel worker {rank} (pid {p.pid}) failed:\n{detail}"
+                            return self._error(rank, p, detail)
                 except (EOFError, OSError):
                     pass
                 if not p.is_alive():
-                    return f"tensor-parallel worker {rank} (pid {p.pid}) died with exit code {p.exitcode}"
+                    return WorkerError(f"tensor-parallel worker {rank} (pid {p.pid}) died with exit code {p.exitcode}")
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.1)
@@ -260,9 +271,9 @@ def worker_main(rank: int, size: int, init_method: str, device: str, config: Eng
                 tp.broadcast_tokens(runner.last_token)
     except (EOFError, KeyboardInterrupt):
         return
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
+    except BaseException as e:
+        try:  # the traceback, and whether rank 0 raises it as a ValueError
+            conn.send(("error", (traceback.format_exc(), isinstance(e, ValueError))))
         except OSError:
             pass
         raise SystemExit(1)

@@ -30,6 +30,8 @@ finds them on the GPU or in this tier. Only the tokens of its last, partial bloc
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -55,12 +57,34 @@ def block_bytes(kv_cache) -> int:
     return per + (scales[:, :, 0].numel() * scales.element_size() if scales is not None else 0)
 
 
+def available_host_memory() -> int | None:
+    """The bytes the host can still give: /proc/meminfo's MemAvailable on Linux, else the free pages; None where
+    neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def check_kv_offloading_size(size) -> float | None:
-    """kv_offloading_size (vLLM's name): the host tier's size in GiB; None or 0: no tier."""
+    """kv_offloading_size (vLLM's name): the host tier's size in GiB, a finite number no larger than the host memory
+    available now (the tier allocates all of it at start); None or 0: no tier."""
     if size is None:
         return None
-    if isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0:
+    if (isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0
+            or (isinstance(size, float) and not math.isfinite(size))):
         raise ValueError(f"kv_offloading_size must be a size in GiB >= 0 (or None: no host tier), got {size!r}")
+    available = available_host_memory()
+    if available is not None and size > available / 2**30:
+        raise ValueError(f"kv_offloading_size={size!r} GiB is more than this host's available memory "
+                         f"({available / 2**30:.1f} GiB)")
     return float(size) or None
 
 
