@@ -63,14 +63,16 @@ class SamplingParams:
                              "(below that, logits / temperature overflow; use 0 for greedy)")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k < 2**63:  # an int64 (a k past the vocabulary cuts nothing)
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer below 2**63 (int64), "
+                             f"got {self.top_k!r}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
+        # 64 bits, signed or not: what torch.Generator.manual_seed takes, and msgpack (the wire, step26 on)
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1] (64 bits), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         for s in self.stop:

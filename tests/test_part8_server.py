@@ -2,11 +2,13 @@
 
 - Completions and chat, streamed and not, give the offline engine's text (greedy) and the right usage; 16 clients
   streaming at once all get theirs.
-- Each bad request gets its status and an OpenAI-shaped error body, and the server goes on serving; unknown fields
-  are ignored and named; the API key is enforced.
+- Each bad request gets its status and an OpenAI-shaped error body (JSON nested thousands deep, a seed beyond
+  64 bits, stream_options of another type, a lone surrogate, a wrong method or path included), never a 5xx, and the
+  server goes on serving; unknown fields are ignored and named; the API key is enforced on every path but /health.
 - A client that disconnects (mid-stream, or while waiting for a whole answer) aborts its request: no block leaks.
 - An injected step failure reaches the client (an error event, a 500) and the next request is served.
-- serve.py as a command: it starts, answers, and stops cleanly on SIGINT; bench_serve.py's metrics add up.
+- serve.py as a command: it starts, answers, and stops cleanly on SIGINT; on SIGTERM its open streams end with an
+  error event and [DONE]; it reads its key from the environment; bench_serve.py's metrics add up.
 Every server here is stopped by its test or fixture; every call has a timeout.
 
 Every test runs on step24 and on the newest step. From step26 on the engine is a core process of its own: a fault is
@@ -16,12 +18,14 @@ import asyncio
 import inspect
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -205,10 +209,35 @@ BAD = [  # (body or raw bytes, status, code, a fragment of the message)
     ({"model": NAME, "prompt": "x", "temperature": 2.5}, 400, None, "temperature must be in [0, 2]"),
     ({"model": NAME, "prompt": "x", "stop": 5}, 400, None, "stop must be"),
     ({"model": NAME, "prompt": "x", "logprobs": -1}, 400, None, "logprobs must be"),
+    # nested too deep for json.loads (its RecursionError), or for anything that recurses into the value
+    (b"[" * 100_000 + b"]" * 100_000, 400, None, "the request body is nested more than"),
+    (b'{"model": "tiny", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, None, "prompt is nested more than"),
+    ({"model": NAME, "prompt": "x", "user": json.loads("[" * 200 + "]" * 200)}, 400, None, "user is nested more than"),
+    # a seed beyond 64 bits (msgpack and torch.Generator take no more); a top_k beyond int64
+    ({"model": NAME, "prompt": "x", "seed": 2**64}, 400, None, "seed must be None or an integer in [-2**63, 2**64 -"),
+    ({"model": NAME, "prompt": "x", "seed": -2**63 - 1}, 400, None, "seed must be None or an integer in [-2**63,"),
+    ({"model": NAME, "prompt": "x", "top_k": 2**64}, 400, None, "top_k must be"),
+    # stream and stream_options of another type
+    ({"model": NAME, "prompt": "x", "stream": True, "stream_options": "usage"}, 400, None,
+     "stream_options must be an object or null, got str"),
+    ({"model": NAME, "prompt": "x", "stream": True, "stream_options": [True]}, 400, None,
+     "stream_options must be an object or null, got list"),
+    ({"model": NAME, "prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, 400, None,
+     "stream_options.include_usage must be true, false or null"),
+    ({"model": NAME, "prompt": "x", "stream": "false"}, 400, None, "stream must be true, false or null"),
+    # a lone surrogate (JSON's escape of half a UTF-16 pair): no text the tokenizer takes
+    (b'{"model": "tiny", "prompt": "hi \\ud800"}', 400, None, "prompt is not valid UTF-8 text: it holds a lone"),
+    (b'{"model": "tiny", "prompt": "x", "stop": ["a", "\\udc00"]}', 400, None, "stop[1] is not valid UTF-8 text"),
 ]
 
 NAMED = {"prompt must be a string or a list of token ids, got int": "prompt",  # fragment -> the error's param
-         "temperature must be in [0, 2]": "temperature", "one prompt per request": "prompt", "n=2": "n"}
+         "temperature must be in [0, 2]": "temperature", "one prompt per request": "prompt", "n=2": "n",
+         "the request body is nested more than": None, "prompt is nested more than": "prompt",
+         "user is nested more than": "user", "stream_options must be an object or null, got str": "stream_options",
+         "stream_options must be an object or null, got list": "stream_options",
+         "stream_options.include_usage must be true, false or null": "stream_options.include_usage",
+         "stream must be true, false or null": "stream",
+         "prompt is not valid UTF-8 text: it holds a lone": "prompt", "stop[1] is not valid UTF-8 text": "stop[1]"}
 
 
 @pytest.mark.parametrize("body,status,code,fragment", BAD)
@@ -222,6 +251,46 @@ def test_a_bad_request_gets_its_status_and_an_openai_error_body(server, body, st
     assert fragment in error["message"], error
     assert error["param"] == NAMED.get(fragment, error["param"]), error  # the server's own checks name the field
     assert httpx.get(f"{server.base}/health", timeout=10).status_code == 200  # and the server goes on
+    r = httpx.post(f"{server.base}/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_bad_input_from_the_openai_client_is_a_400_streamed_or_not(server, offline):
+    """The official client sends these as given. Each is refused before anything is queued, so a stream gets the 400
+    too (not a 200 whose stream breaks off); the offline engine refuses the same seed."""
+    c = client(server)
+    for options, fragment, param in (
+            (dict(seed=2**64), "seed must be None or an integer in [-2**63, 2**64 - 1]", None),
+            (dict(seed=-2**63 - 1), "seed must be None or an integer in [-2**63, 2**64 - 1]", None),
+            (dict(stream_options="include_usage"), "stream_options must be an object or null", "stream_options"),
+            (dict(stream_options=["include_usage"]), "stream_options must be an object or null", "stream_options")):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                list(c.completions.create(model=NAME, prompt="x", max_tokens=2, stream=stream, **options))
+            assert fragment in e.value.message and e.value.param == param, (options, stream, e.value.body)
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    sp.seed = 2**64  # set after construction: the engine checks the params again with the request
+    with pytest.raises(ValueError, match=r"seed must be None or an integer in \[-2\*\*63, 2\*\*64 - 1\]"):
+        offline.generate(["x"], sp)
+    for seed in (2**64 - 1, -2**63):  # the ends of the range are seeds
+        assert c.completions.create(model=NAME, prompt="x", max_tokens=2, seed=seed).usage.completion_tokens == 2
+    server.wait_idle()
+
+
+def test_a_wrong_method_or_path_gets_an_openai_error_body(server):
+    """starlette's own errors (no such path, a method the path does not take) in OpenAI's shape too; and no API docs
+    pages are served."""
+    for method, path, status in (("GET", "/v1/completions", 405), ("DELETE", "/v1/models", 405),
+                                 ("GET", "/v1/nothing", 404), ("GET", "/docs", 404), ("GET", "/redoc", 404),
+                                 ("GET", "/openapi.json", 404)):
+        r = httpx.request(method, f"{server.base}{path}", timeout=30)
+        assert r.status_code == status, (method, path, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and f"{method} {path}" in error["message"], error
+        if status == 405:
+            assert r.headers["allow"] in ("GET", "POST"), r.headers
+    r = httpx.post(f"{server.base}/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("pool", ["context", "kv pool"])
@@ -265,16 +334,37 @@ def test_bad_chat_requests_and_unknown_fields(server, offline):
     assert r.status_code == 200 and r.headers["x-ignored-fields"] == "my_field"
     assert r.json()["choices"][0]["text"] == offline.generate(["hi"], SamplingParams(temperature=0, max_tokens=3))[
         0].outputs[0].text
+    # a lone surrogate in a message: named where it is, not the tokenizer's words
+    r = httpx.post(f"{server.base}/v1/chat/completions", headers={"content-type": "application/json"}, timeout=30,
+                   content=b'{"model": "tiny", "messages": [{"role": "user", "content": "hi \\ud800"}]}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+    assert "messages[0].content is not valid UTF-8 text: it holds a lone surrogate" in r.json()["error"]["message"]
+    # unknown fields of any name, named in the header as sent, percent-encoded where a header could not hold them
+    names = ["a b", " lead", "line\nbreak", "\u00e9t\u00e9", "\u4e2d\u6587", "my_field"]
+    r = httpx.post(f"{server.base}/v1/completions", timeout=30,
+                   json={"model": NAME, "prompt": "hi", "max_tokens": 1, **dict.fromkeys(names, 1)})
+    assert r.status_code == 200 and unquote(r.headers["x-ignored-fields"]).split(",") == sorted(names), r.headers
+    r = httpx.post(f"{server.base}/v1/completions", headers={"content-type": "application/json"}, timeout=30,
+                   content=b'{"model": "tiny", "prompt": "hi", "max_tokens": 1, "\\ud800": 1}')
+    assert r.status_code == 200 and r.headers["x-ignored-fields"] == "%5Cud800", r.headers
 
 
 def test_the_api_key_is_required_when_set(step, offline):
     s = RunningServer(step, api_key="sekret")
     try:
-        for headers in ({}, {"Authorization": "Bearer wrong"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer sekre"},
+                        {"Authorization": "sekret"}):
             r = httpx.post(f"{s.base}/v1/completions", json={"model": NAME, "prompt": "x"}, headers=headers, timeout=30)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-            assert httpx.get(f"{s.base}/v1/models", headers=headers, timeout=30).status_code == 401
+            # every path but /health: /stats (the engine's state) and what does not exist as much as /v1/*
+            for path in ("/v1/models", "/stats", "/docs", "/openapi.json", "/redoc", "/nowhere"):
+                r = httpx.get(f"{s.base}{path}", headers=headers, timeout=30)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
         assert httpx.get(f"{s.base}/health", timeout=30).status_code == 200  # health needs no key
+        key = {"Authorization": "Bearer sekret"}
+        assert "free_blocks" in httpx.get(f"{s.base}/stats", headers=key, timeout=30).json()
+        for path in ("/docs", "/openapi.json", "/redoc"):  # no API docs pages, key or not
+            assert httpx.get(f"{s.base}{path}", headers=key, timeout=30).status_code == 404
         c = openai.OpenAI(base_url=f"{s.base}/v1", api_key="sekret", timeout=60, max_retries=0)
         want = offline.generate(["x"], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].text
         assert c.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).choices[0].text == want
@@ -486,15 +576,18 @@ def test_bench_serve_warms_up_before_the_first_measured_rate(server, monkeypatch
     assert [len(prompts) for _, prompts in calls] == [3]
 
 
-def test_serve_py_starts_answers_and_stops_on_sigint(step):
+@contextlib.contextmanager
+def serve_py(step, *options, env=None):
+    """serve.py run as a command on a free port, once it answers /health: -> (the process, its base URL). Its stdout
+    and stderr are pipes; it is killed at the end if it still runs."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, f"steps/{step}/serve.py", "--model", MODEL, "--port", str(port),
-                             "--device", "cpu", "--max-kv-tokens", "1024"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                             "--device", "cpu", *options], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
         while True:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, proc.communicate()
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
@@ -502,16 +595,44 @@ def test_serve_py_starts_answers_and_stops_on_sigint(step):
                 pass
             assert time.monotonic() < deadline, "serve.py did not start"
             time.sleep(0.2)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": "hello", "max_tokens": 3})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        yield proc, f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert f"serving {MODEL} on http://127.0.0.1:{port}/v1" in proc.stdout.read()
+
+
+def test_serve_py_starts_answers_and_stops_on_sigint(step):
+    with serve_py(step, "--max-kv-tokens", "1024") as (proc, base):
+        r = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": MODEL, "prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    assert f"serving {MODEL} on {base}/v1" in proc.communicate()[0]
+
+
+def test_serve_py_takes_its_key_from_the_environment_and_ends_open_streams_on_sigterm(step):
+    """The key in LLM_STEPS_API_KEY, not on the command line (where `ps` shows it): a request without it gets 401,
+    /health needs none. SIGTERM with a stream open: the engine stops first, so the stream ends at once with an error
+    event and [DONE] instead of being cut off after uvicorn's grace period; no traceback. The exit status is 0 from
+    step26 on, which makes SIGTERM exit as SIGINT does; step24 keeps the signal's own."""
+    env = {**os.environ, "LLM_STEPS_API_KEY": "sekret"}
+    with serve_py(step, "--max-kv-tokens", "4096", env=env) as (proc, base):
+        assert httpx.get(f"{base}/stats", timeout=30).status_code == 401
+        key = {"Authorization": "Bearer sekret"}
+        assert httpx.get(f"{base}/stats", headers=key, timeout=30).status_code == 200
+        body = {"model": MODEL, "prompt": "go on and on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=key, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")  # running
+            proc.send_signal(signal.SIGTERM)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]", events[-2:]
+        error = json.loads(events[-2][len("data: "):])["error"]
+        assert error["type"] == "server_error" and "shut down" in error["message"], error
+        assert proc.wait(timeout=60) == (0 if has_core(step) else -signal.SIGTERM)
+    out, err = proc.communicate()
+    assert "Traceback" not in out + err, err[-3000:]
 
 
 def test_serve_py_refuses_bad_options_in_one_line(step):

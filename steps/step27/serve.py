@@ -16,6 +16,7 @@ Endpoints (OpenAI's API, as vLLM serves it):
     POST /v1/completions         a prompt (text or token ids) -> text; "stream": true for server-sent events
     POST /v1/chat/completions    messages -> the assistant's reply (the model's chat template); streams the same way
     GET  /stats                  this server's own: requests running and waiting, free KV blocks, steps
+No other path or method is served (404, 405), nor API docs pages (/docs, /openapi.json).
 
 A request's fields: model, prompt / messages, max_tokens (max_completion_tokens), temperature, top_p, top_k, min_p,
 stop, seed, n (1), logprobs (and top_logprobs for chat), ignore_eos, stream, stream_options.include_usage. Without
@@ -24,11 +25,16 @@ max_tokens a completion makes 16 tokens (OpenAI's default) and a chat reply may 
 them, and named in the response's `x-ignored-fields` header; fields it knows but does not implement (n > 1, echo,
 best_of, a penalty, logit_bias, ...) are refused with 400 rather than silently misread.
 
-Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON, an invalid
-value (the engine's own ValueError text) or a prompt beyond the context; 404 for another model; 401 without the key
-when --api-key is set; 500 when the engine step serving the request failed; 503 once the engine is dead (its step
-loop stopped on an error: every request then gets 503, and /health too, so that a supervisor restarts the server). A
-client that goes away mid-request aborts it: its KV blocks are free at once.
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, on every path: 400 for malformed JSON,
+JSON nested deeper than any request (MAX_DEPTH), a string with a lone surrogate (no UTF-8 text), a field of the
+wrong type, an invalid value (the engine's own ValueError text) or a prompt beyond the context; 404 for another
+model or an unknown path, 405 for a wrong method; 401 without the key; 500 when the engine step serving the request
+failed; 503 once the engine is dead (its step loop stopped on an error: every request then gets 503, and /health
+too, so that a supervisor restarts the server). A client that goes away mid-request aborts it: its KV blocks are
+free at once. SIGINT or SIGTERM stops the engine first: every open stream ends with an error event and [DONE].
+
+The key (--api-key, or else the environment variable LLM_STEPS_API_KEY, which `ps` does not show) is needed on
+every path but /health, /stats included, as 'Authorization: Bearer KEY', compared in constant time.
 
 Streaming is server-sent events (SSE): each chunk is a line `data: {json}` and a blank line, the text in each
 chunk is what is new since the one before (the engine's cumulative text, differenced), and the stream ends with
@@ -48,15 +54,20 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 import argparse
 import asyncio
 import contextlib
+import hmac
 import json
+import os
+import re
 import signal
 import time
 import uuid
 
 from contextlib import asynccontextmanager
+from urllib.parse import quote
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from shared import ContextLengthExceededError, SamplingParams, check_messages
 
@@ -72,6 +83,10 @@ KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "
 UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "logit_bias": None, "presence_penalty": 0,
                "frequency_penalty": 0, "tools": None, "tool_choice": None, "response_format": None,
                "functions": None, "function_call": None, "parallel_tool_calls": None}
+# Lists and objects in a request nest a few deep (messages[0].content); a value nested deeper is refused before
+# anything recurses into it (json.loads, repr, the tokenizer would run out of Python's stack thousands deep)
+MAX_DEPTH = 32
+API_KEY_ENV = "LLM_STEPS_API_KEY"  # the key when --api-key is not given: the environment is not in `ps`
 
 
 class APIError(Exception):
@@ -88,13 +103,17 @@ class APIError(Exception):
 
 # ---- a request's body -> the engine's inputs ------------------------------------------------------------------
 def parse_body(raw: bytes) -> tuple[dict, list[str]]:
-    """The JSON object of a request -> (the object, the fields ignored). APIError(400) for anything else."""
+    """The JSON object of a request -> (the object, the fields ignored). APIError(400) for anything else, and for a
+    value nested too deep or a string with a lone surrogate (check_values)."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON in the request body: {e}") from None
+    except RecursionError:  # nested thousands deep: json.loads ran out of stack; find the field in the text
+        too_deep(deepest_field(raw.decode(json.detect_encoding(raw), "replace")))
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    check_values(body)
     for name, default in UNSUPPORTED.items():
         value = body.get(name, default)
         if value not in (default, None) and value != [] and value != {}:  # only a default (or empty) value passes
@@ -103,6 +122,73 @@ def parse_body(raw: bytes) -> tuple[dict, list[str]]:
         raise APIError(400, f"n={body['n']!r}: this server returns one choice per request (n=1)", param="n")
     ignored = sorted(set(body) - KNOWN - set(UNSUPPORTED))
     return body, ignored
+
+
+def too_deep(field: str | None):
+    """The error for a value nested more than MAX_DEPTH deep, in `field` (None: the body itself)."""
+    raise APIError(400, f"{field or 'the request body'} is nested more than {MAX_DEPTH} deep (lists and objects)",
+                   param=field)
+
+
+def deepest_field(text: str) -> str | None:
+    """The top-level field of a JSON text where lists and objects first nest more than MAX_DEPTH deep (None: the
+    body itself, or nowhere), read token by token: what names the field when json.loads ran out of stack."""
+    depth, field, key_next = -1, None, False  # depth 0: the body; 1: a field's value
+    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[][{},]', text):
+        t = token.group()
+        if t in ("[", "{"):
+            depth += 1
+            if depth > MAX_DEPTH:
+                return field
+            key_next = depth == 0 and t == "{"
+        elif t in ("]", "}"):
+            depth -= 1
+        elif t == ",":
+            key_next = depth == 0
+        elif key_next:  # a string where the body's next key comes
+            field, key_next = printable(json.loads(t)), False
+    return None
+
+
+def printable(text: str) -> str:
+    """A string the client may get back in a message: a lone surrogate (no UTF-8 text) as its escape, \\ud800."""
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
+def check_values(body: dict) -> None:
+    """Every value in the body, walked with a stack (no recursion): APIError(400) for one nested more than MAX_DEPTH
+    deep, naming its field, and for a string that holds a lone surrogate (JSON's "\\ud800" decodes to one, and no
+    text encoding takes it, the tokenizer's included), naming where it is: prompt, messages[0].content."""
+    stack = [(value, printable(name), printable(name), 1) for name, value in body.items()]
+    while stack:
+        value, field, where, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"{where} is not valid UTF-8 text: it holds a lone surrogate "
+                                    f"(U+{ord(value[e.start]):04X} at index {e.start})", param=where) from None
+        elif isinstance(value, (list, dict)):
+            if depth > MAX_DEPTH:
+                too_deep(field)
+            is_dict = isinstance(value, dict)
+            for k, v in value.items() if is_dict else enumerate(value):
+                if isinstance(v, (str, list, dict)):  # a number, a bool, null: nothing to check
+                    stack.append((v, field, f"{where}.{printable(k)}" if is_dict else f"{where}[{k}]", depth + 1))
+
+
+def streaming(body: dict) -> tuple[bool, bool]:
+    """A request's stream and stream_options -> (stream, include_usage). APIError(400) naming a field of another
+    type: the string "false" is no false, and stream_options is an object."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise APIError(400, f"stream_options must be an object or null, got {type(options).__name__}",
+                       param="stream_options")
+    usage = (options or {}).get("include_usage")
+    for name, value in (("stream", stream), ("stream_options.include_usage", usage)):
+        if value is not None and not isinstance(value, bool):
+            raise APIError(400, f"{name} must be true, false or null, got {value!r:.40}", param=name)
+    return bool(stream), bool(usage)
 
 
 def sampling_params(body: dict, chat: bool, room: int) -> SamplingParams:
@@ -137,8 +223,11 @@ class Server:
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.created = int(time.time())
 
-    def check_key(self, headers) -> None:
-        if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
+    def check_key(self, authorization: bytes | None) -> None:
+        """401 unless the Authorization header's bytes are `Bearer <key>`, compared in constant time: how long the
+        check takes tells nothing of how much of a guess was right."""
+        if self.api_key is not None and not hmac.compare_digest(authorization or b"",
+                                                                b"Bearer " + self.api_key.encode()):
             raise APIError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
@@ -188,7 +277,7 @@ class Server:
         if not isinstance(prompt, (str, list)):  # a bare number is no prompt (the engine would read it as [id])
             raise APIError(400, f"prompt must be a string or a list of token ids, got {type(prompt).__name__} "
                                 f"({prompt!r:.40})", param="prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
             raise APIError(400, f"this server takes one prompt per request, got {len(prompt)}", param="prompt")
         return prompt
 
@@ -304,6 +393,22 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
+class RequireKey:
+    """ASGI middleware: with a key set, every request but /health needs it (401, in OpenAI's shape), before any route
+    is looked up: /stats and a path that does not exist as much as /v1/*."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            try:
+                self.server.check_key(dict(scope["headers"]).get(b"authorization"))
+            except APIError as e:
+                return await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
     """The FastAPI app serving `engine` under `model_name`. Its shutdown stops the engine."""
     server = Server(engine, model_name, api_key)
@@ -313,13 +418,20 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
         yield
         engine.shutdown()  # the server stops (SIGINT, SIGTERM): so does the engine, its workers with it
 
-    app = FastAPI(title="llm-steps step27", lifespan=lifespan)
+    # no API docs pages (/docs, /redoc, /openapi.json): the handlers read their bodies themselves, so the schema
+    # would show no field, and with a key set it would be one more page to guard
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, title="llm-steps step27", lifespan=lifespan)
     app.state.server = server
 
     # Every handler raises its errors; these turn them into OpenAI's shape, in one place.
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # starlette's own: no such path (404), method (405)
+        error = APIError(e.status_code, f"{e.detail} ({request.method} {request.url.path})")
+        return JSONResponse(error.body(), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(EngineStepError)
     @app.exception_handler(EngineShutDown)
@@ -328,10 +440,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
         status = 503 if isinstance(e, EngineDeadError) else 500  # dead: so is every request after this one
         return JSONResponse(APIError(status, str(e), kind="server_error").body(), status_code=status)
 
-    async def require_key(request: Request) -> None:  # a dependency of every /v1 endpoint
-        server.check_key(request.headers)
-
-    v1 = [Depends(require_key)]
+    app.add_middleware(RequireKey, server=server)
 
     @app.get("/health")
     async def health():
@@ -342,19 +451,20 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
     async def stats():
         return JSONResponse(await server.stats())
 
-    @app.get("/v1/models", dependencies=v1)
+    @app.get("/v1/models")
     async def models():
         return JSONResponse(server.models())
 
     async def completion(request: Request, chat: bool):
         body, ignored = parse_body(await request.body())
         server.check_model(body)
+        streamed, include_usage = streaming(body)
         request_id, stream, prompt_tokens, sp = server.start(body, chat)
-        headers = {"x-ignored-fields": ",".join(ignored)} if ignored else {}
-        if body.get("stream"):
-            options = body.get("stream_options") or {}
-            return StreamingResponse(server.sse(request_id, stream, prompt_tokens, sp, chat,
-                                                bool(options.get("include_usage"))),
+        # the names as sent, but a header holds printable ASCII only: the rest percent-encoded
+        names = quote(",".join(ignored), safe=",", errors="backslashreplace")
+        headers = {"x-ignored-fields": names} if ignored else {}
+        if streamed:
+            return StreamingResponse(server.sse(request_id, stream, prompt_tokens, sp, chat, include_usage),
                                      media_type="text/event-stream", headers=headers)
         try:
             out = await server.complete(stream, request.is_disconnected)
@@ -364,11 +474,11 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
             raise APIError(499, "the client closed the request", kind="client_closed")
         return JSONResponse(server.response(request_id, out, prompt_tokens, sp, chat), headers=headers)
 
-    @app.post("/v1/completions", dependencies=v1)
+    @app.post("/v1/completions")
     async def completions(request: Request):
         return await completion(request, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=v1)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await completion(request, chat=True)
 
@@ -387,6 +497,8 @@ def engine_arg_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="the most logprobs a request may ask for (default: %(default)s)")
     parser.add_argument("--speculative-config", type=json_object, default=None,
                         help='step27: n-gram drafts, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     return parser
@@ -408,6 +520,7 @@ def engine_options(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_kv_tokens=args.max_kv_tokens,
                 kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
                 enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+                max_logprobs=args.max_logprobs,
                 speculative_config=args.speculative_config)
 
 
@@ -415,16 +528,31 @@ def _exit_cleanly(signum, frame) -> None:
     raise SystemExit(0)
 
 
+def run(app, engine: AsyncLLM, host: str, port: int) -> None:
+    """Serve `app` with uvicorn until SIGINT or SIGTERM. The shutdown stops the engine first: every open stream then
+    ends with an error event and [DONE], and a request waiting for its whole answer gets its error, before uvicorn
+    waits for the connections to close (a stream still running after its grace period would be cut off mid-way)."""
+    import uvicorn
+
+    class EngineFirst(uvicorn.Server):  # its shutdown stops the engine, then the connections
+        async def shutdown(self, sockets=None):
+            engine.shutdown()
+            await super().shutdown(sockets)
+
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises SIGINT again once stopped (as uvicorn.run does)
+        EngineFirst(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)).run()
+
+
 def main() -> None:
     parser = engine_arg_parser(__doc__)
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on every path but /health (default: the environment "
+                             f"variable {API_KEY_ENV}, which `ps` does not show, as vLLM reads VLLM_API_KEY)")
     args = parser.parse_args()
     if not 0 <= args.port < 65536:
         parser.error(f"argument --port: must be in 0..65535, got {args.port}")
-    import uvicorn
-
     # step26: SIGTERM ends the process as SIGINT does, with exit status 0: uvicorn stops on either, then raises the
     # signal again to the handler it found, this one (whose default would kill the process, status -15); one that
     # arrives while the core starts ends the start the same way (the core is stopped at exit)
@@ -437,8 +565,8 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 ({engine.llm.backend})", flush=True)
-    uvicorn.run(build_app(engine, args.model, args.api_key), host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=5)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None  # an empty key is none
+    run(build_app(engine, args.model, api_key), engine, args.host, args.port)
 
 
 if __name__ == "__main__":
