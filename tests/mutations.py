@@ -289,6 +289,13 @@ MUTATIONS = [
         "                while False:",
         ("tests/test_part8_stream.py::test_a_caller_that_falls_behind_gets_the_newest_output",)),
     Mutation(
+        "step23-failed-step-drops-all", "step23 drops every request of a step that failed, not only one that failed "
+        "alone",
+        "steps/step23/engine.py",
+        "        if len(live) == 1:\n            self.scheduler.finish(live[0])\n            return\n",
+        "        if live:\n            for seq in live:\n                self.scheduler.finish(seq)\n            return\n",
+        ("tests/test_part8_isolation.py::test_a_request_that_fails_its_steps_fails_alone[step23-sync]",)),
+    Mutation(
         "step18-mixed-launches-twice", "step18's mixed_attention launches its kernel twice (the same output)",
         "steps/step18/kernels/attention.py",
         "    _mixed_attention_kernel[(len(tile_seq), kv_heads)](",

@@ -173,7 +173,7 @@ def test_chapters_link_their_neighbours_and_sources(site):
 
 def test_benchmark_data_records_where_it_comes_from():
     files = sorted((ROOT / "docs" / "data").glob("*.json"))
-    devices = [f for f in files if f.name not in ("figures.json", "test_suite.json")]
+    devices = [f for f in files if f.name not in ("figures.json", "test_suite.json", "first_demo.json")]
     assert {f.stem for f in devices} >= {"cpu", "h200"}
     for f in devices:
         data = json.loads(f.read_text())
@@ -315,3 +315,18 @@ def test_the_readme_quotes_the_measured_test_times():
     for quoted in (f"{suite['full']['tests']:,} tests", f"in {suite['full']['minutes']} min",
                    f"{suite['fast']['tests']:,} tests in {suite['fast']['minutes']} min", f"{suite['ci']['minutes']} min"):
         assert quoted in readme, f"README.md should say {quoted!r} (docs/data/test_suite.json)"
+
+
+def test_the_readme_quotes_the_measured_first_demo():
+    """The README's time for a newcomer's first `make demo` is docs/data/first_demo.json's (a fresh clone, timed
+    phase by phase by python3 docs/data/measure_first_demo.py)."""
+    demo = json.loads((ROOT / "docs" / "data" / "first_demo.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert demo["command"].startswith("python3 docs/data/measure_first_demo.py")
+    phases = {p["phase"]: p["seconds"] for p in demo["phases"]}
+    setup = sum(phases[name] for name in ("virtual environment", "torch", "this project and its dependencies",
+                                          "the embedded model's wheel"))
+    conversion, run = phases["run.py: the model's conversion (once)"], phases["run.py: the demo"]
+    for quoted in (f"`make demo` took {demo['wall_s']:.0f} s", f"the set-up {setup:.0f} s",
+                   f"the model's conversion {conversion:.0f} s", f"the demo itself {run:.0f} s"):
+        assert quoted in readme, f"README.md should say {quoted!r} (docs/data/first_demo.json)"
