@@ -85,6 +85,11 @@ from .speculative import NgramProposer
 from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
 
 
+def mib(nbytes: int) -> str:
+    """step29: a size on the engine's line: whole MiB, or two decimals under 10 MiB (a tiny model's weights)."""
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes >= 10 * 2**20 else f"{nbytes / 2**20:.2f} MiB"
+
+
 def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict, tp: TensorParallel) -> str:
     """The engine in one line (llm.backend, which run.py prints): what the config asked for and what the build found
     (the KV pool's blocks and dtype and what sized it, the CUDA graphs captured or why none, the tensor split;
@@ -131,7 +136,7 @@ def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict
               "float8 e4m3 rounded on load, a scale per output row" + (
                   " (dequantised for each matmul on this device)" if config.device.type != "cuda" else "")
               if fp8 else f"{config.dtype}".replace("torch.", ""))
-    weights = f"weights: {total / 2**20:.0f} MiB, the projections' {linear / 2**20:.0f} MiB as {source}"
+    weights = f"weights: {mib(total)}, the projections' {mib(linear)} as {source}"
     return (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), {weights}, continuous batching + "
             f"chunked prefill + preemption, paged KV ({memory['num_blocks']} blocks of {config.block_size}, KV dtype "
             f"{kv}, sized by {memory['sized_by']}), "

@@ -2,7 +2,7 @@
 cache a pool of host blocks (pinned on CUDA): a cached block the GPU pool evicts is copied there first, keyed by its
 hash, and a prompt whose blocks the GPU no longer holds finds them there, each copied back into a GPU block before
 the forward that reads it (offload.py; on CUDA the copies run on a side stream, in the order asked). The lesson runs
-a multi-turn chat, each turn sent whole, in a KV pool a quarter of its working set, through two engines of this
+a multi-turn chat, each turn sent whole, in a KV pool of about a quarter of its working set, through two engines of this
 step, one with the tier and one without: the same answers, and how many prompt tokens each computed turn by turn.
 Then this step against step31 on one request: equal, token for token."""
 import sys
