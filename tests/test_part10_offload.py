@@ -259,6 +259,20 @@ def test_a_tier_larger_than_the_hosts_available_memory_is_refused_before_the_mod
     assert offload.check_kv_offloading_size(1.5) == 1.5
 
 
+def test_the_crossover_file_is_what_its_script_prints():
+    """The chapter's copy-or-compute figures (docs/data/raw/cpu_step32_crossover.txt) are what
+    docs/data/crossover_step32.py computes from the models' shapes, as it stands (no timing: it is exact)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "docs/data/crossover_step32.py"], cwd=root, capture_output=True, text=True,
+                         check=True).stdout
+    assert out == (root / "docs" / "data" / "raw" / "cpu_step32_crossover.txt").read_text()
+    assert "qwen3-8b link 64 GB/s mfu 0.5" in out and "the tier wins from position 0" in out
+
+
 # ---- on the GPU ----------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @cuda
