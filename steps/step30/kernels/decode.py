@@ -415,13 +415,19 @@ def flash_decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale, nu
                      k_scale, v_scale)
 
 
+def _scratch(q, num_splits):
+    """The split kernel's fp32 parts: part_m, part_l [S, heads, num_splits] and part_acc [S, heads, num_splits, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    part_m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    return part_m, torch.empty_like(part_m), torch.empty(num_seqs, num_heads, num_splits, head_dim,
+                                                         dtype=torch.float32, device=q.device)
+
+
 def _partials(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, block_n, num_warps, num_stages,
               k_scale=None, v_scale=None):
     """flash_decode_partials without the input checks (flash_decode has made them)."""
-    num_seqs, num_heads, head_dim = q.shape
-    part_m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
-    part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    num_seqs = q.shape[0]
+    part_m, part_l, part_acc = _scratch(q, num_splits)
     if num_seqs > 0:
         out_unused = torch.empty(1, 1, dtype=q.dtype, device=q.device)
         _launch_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out_unused,
@@ -468,11 +474,8 @@ def flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
         if counters.dtype != torch.int32 or counters.device != q.device or counters.numel() < num_seqs * kv_heads:
             raise ValueError(f"counters must be int32 on {q.device} with at least {num_seqs * kv_heads} entries, got "
                              f"{counters.dtype} on {counters.device} with {counters.numel()}")
-        parts = (torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device),
-                 torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device),
-                 torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device))
-        _launch_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out, parts, block_n,
-                             num_warps, num_stages, k_scale, v_scale, counters, pdl)
+        _launch_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out,
+                             _scratch(q, num_splits), block_n, num_warps, num_stages, k_scale, v_scale, counters, pdl)
         return out
     part_m, part_l, part_acc = _partials(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, block_n,
                                          num_warps, num_stages, k_scale, v_scale)
