@@ -144,6 +144,7 @@ LAYERS = [
     {"sequence", "detokenizer", "scheduler", "block_manager", "sampler", "timers", "cuda_graphs", "parallel",
      "speculative",  # step27: the config and the proposer of drafts
      "wire",  # step26: the messages between the front end and the engine core
+     "output",  # step26: Finish and the stop check (the offline engine's, the core's and the front end's)
      "offload"},  # step32: the host tier under the prefix cache (the block manager calls it, the runner flushes it)
     {"model"},
     {"model_runner", "attention"},  # the runner and the attention backends that build its metadata

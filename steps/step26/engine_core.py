@@ -13,9 +13,9 @@ msgspec release no GIL, but they run while the loop waits for the device, and of
 The messages it reads and sends are wire.py's (typed msgspec Structs, never a pickle): Add, Abort and GetStats
 in; Ready once it is built (wire.py's PROTOCOL_VERSION and the limits the front end checks a request against),
 Outputs (each step's deltas: a request's new tokens only), Stats and Error out. The core checks EOS, stop token ids
-and max_tokens (no text needed); stop strings are the front end's, which decodes the text and aborts the request
-when one appears. The core runs the offline engine with its stop strings removed (_CoreLLM: no text is decoded in
-this process).
+and max_tokens (no text needed: output.check_stop without a detokenizer); stop strings are the front end's, which
+decodes the text and aborts the request when one appears. The core runs the offline engine with its stop strings
+removed (_CoreLLM: no text is decoded in this process).
 
 A message that fails to decode is an Error named in the core's log (stderr), and the core serves on. An ordinary
 error in a step fails the request that failed it alone (LLM._fail_step: the requests of a step of several are put
@@ -44,7 +44,7 @@ import zmq
 from shared.threads import threads_cpu_s
 
 from .engine import LLM
-from .sequence import Finish
+from .output import Finish, check_stop
 from .wire import PROTOCOL_VERSION, Abort, Add, Delta, Error, GetStats, Outputs, Ready, Stats, ToCore
 
 
@@ -72,15 +72,8 @@ class _CoreLLM(LLM):
     (stop strings and text are the front end's). A step that fails leaves no step in flight, as every LLM's does
     (LLM._step_async; its requests, and those of the step in flight, fail as one step: LLM._fail_step)."""
 
-    def _check_stop(self, r, last: int, num_outputs: int) -> Finish | None:
-        sp = r.params
-        if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
-            return Finish("stop", None, "")
-        if last in sp.stop_token_ids:
-            return Finish("stop", last, "")
-        if num_outputs >= sp.max_tokens:
-            return Finish("length", None, "")
-        return None
+    def _finish_at(self, r, last: int, num_outputs: int) -> Finish | None:
+        return check_stop(r.params, last, num_outputs, self.tokenizer.eos_token_ids)  # no detokenizer: tokens only
 
 
 class EngineCore:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from shared import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 
 from .detokenizer import IncrementalDetokenizer
+from .output import Finish
 
 
 class SequenceStatus(enum.Enum):
@@ -29,14 +29,6 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"  # in the batch: holds KV memory
     PREEMPTED = "preempted"  # lost its KV to make room; waits at the front of the queue to be recomputed
     FINISHED = "finished"  # done or aborted: it has left the queues and holds nothing
-
-
-class Finish(NamedTuple):
-    """Why and where a sequence ended."""
-
-    reason: str  # "stop" (EOS, a stop token or a stop string) or "length" (max_tokens reached)
-    stop_reason: int | str | None  # the stop token id or stop string that ended it; None for EOS and length
-    text: str  # the output text, cut just before a stop string
 
 
 @dataclass(eq=False)

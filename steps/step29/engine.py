@@ -76,10 +76,11 @@ from .detokenizer import IncrementalDetokenizer
 from .quant import Q4Weight
 from .model import weight_bytes, KV_CACHE_DTYPES, ModelConfig, check_kv_cache_dtype  # noqa: F401
 from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks, to_device  # noqa: F401
+from .output import Finish, check_stop
 from .parallel import TensorParallel, WorkerError, rank_device
 from .sampler import request_seed
 from .scheduler import Scheduler
-from .sequence import Finish, Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus
 from .speculative import NgramProposer
 from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
 
@@ -478,28 +479,11 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c) for c in check_conversations(conversations)]
         return self.generate(prompts, sampling_params)
 
-    def _check_stop(self, r: Sequence, last: int, num_outputs: int) -> Finish | None:
-        """-> a Finish once the request must end, else None. Text grows through the request's detokenizer, and
-        stop strings are looked for only where new text could complete one: O(1) per token, not O(n).
-        step25: last is its newest token, its num_outputs-th (num_outputs: len(r.output_ids))."""
-        sp = r.params
-        if last in self.tokenizer.eos_token_ids and not sp.ignore_eos:
-            return Finish("stop", None, r.detokenizer.final_text())  # the stop token is not in the text
-        if last in sp.stop_token_ids:
-            return Finish("stop", last, r.detokenizer.final_text())
-        new = r.detokenizer.add(last)
-        if new and sp.stop:
-            text = r.detokenizer.text
-            # A stop string that ends in the new text starts at most len(stop) - 1 characters before it.
-            window_start = max(0, len(text) - len(new) - max(len(s) for s in sp.stop) + 1)
-            window = text[window_start:]
-            hits = [(window.find(s), s) for s in sp.stop if s in window]
-            if hits:
-                cut, stop = min(hits)  # the earliest stop string; the text ends just before it
-                return Finish("stop", stop, text[:window_start + cut])
-        if num_outputs >= sp.max_tokens:
-            return Finish("length", None, r.detokenizer.final_text())
-        return None
+    def _finish_at(self, r: Sequence, last: int, num_outputs: int) -> Finish | None:
+        """-> a Finish once the request must end at its newest token, else None: output.check_stop on its tokens
+        and on the text its detokenizer grows (stop strings). step25: last is its newest token, its num_outputs-th
+        (num_outputs: len(r.output_ids)). step26: the core's LLM checks its tokens only (engine_core._CoreLLM)."""
+        return check_stop(r.params, last, num_outputs, self.tokenizer.eos_token_ids, r.detokenizer)
 
     def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token for each sequence from its row of logits [B, vocab] in one sampler call (the model
@@ -529,7 +513,7 @@ class LLM:
             self.stats["emitted_tokens"] += len(seqs)
         with self.timers.phase("detokenize"):
             for seq, next_id in zip(seqs, next_ids):
-                seq.finish = self._check_stop(seq, next_id, len(seq.output_ids))
+                seq.finish = self._finish_at(seq, next_id, len(seq.output_ids))
                 if seq.finish is not None:
                     seq.num_output_placeholders = 0  # the tokens launched after its end are thrown away when read
                     seq.metrics.finished_time = now

@@ -9,9 +9,10 @@ This process keeps what is the callers': the tokenizer and the checks of a reque
 states in its Ready message), each request's incremental detokenizer and its stop strings (a stop string found here
 aborts the request in the core), and the streams. It sends each checked request (its token ids and sampling
 parameters) and each abort, receives outputs as deltas (the new token ids and logprobs of a step) and rebuilds the
-RequestOutput each caller gets, equal to the offline engine's. It imports wire.py, the tokenizer side (shared,
-detokenizer.py) and the standard library, never torch nor the engine: the core process is started by its module's
-path, and a core that states another wire protocol version is refused.
+RequestOutput each caller gets, equal to the offline engine's (output.py's stop check, the engine's own). It imports
+wire.py, output.py, the tokenizer side (shared, detokenizer.py) and the standard library, never torch nor the
+engine: the core process is started by its module's path, and a core that states another wire protocol version is
+refused.
 
 The core knows each request by a name of its own (core_id), never reused, so that a caller may reuse a request id
 as soon as its request has ended: outputs the core still sends for the old one, and the abort that ends it there,
@@ -34,7 +35,6 @@ import threading
 import time
 import weakref
 from types import SimpleNamespace
-from typing import NamedTuple
 
 import msgspec
 import zmq
@@ -45,6 +45,7 @@ from shared import (DEFAULT_MODEL, CompletionOutput, RequestMetrics, RequestOutp
 
 from . import wire
 from .detokenizer import IncrementalDetokenizer
+from .output import Finish, check_stop
 
 
 class EngineStepError(RuntimeError):
@@ -61,14 +62,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineStartError(RuntimeError):
     """The engine core process failed to start (it died, did not say Ready in time, or speaks another protocol)."""
-
-
-class Finish(NamedTuple):
-    """Why and where a request ended, as the front end decides it (the offline engine's sequence.Finish)."""
-
-    reason: str  # "stop" (EOS, a stop token or a stop string), "length" (max_tokens), "abort", "error"
-    stop_reason: int | str | None  # the stop token id or stop string that ended it; None for EOS and length
-    text: str  # the output text, cut just before a stop string
 
 
 class _Stream:
@@ -400,7 +393,7 @@ class AsyncLLM:
 
     def _on_outputs(self, deltas) -> None:
         """A step's deltas: each request's new tokens go through its detokenizer and the offline engine's stop checks
-        (LLM._check_stop), then its caller gets the RequestOutput so far."""
+        (output.check_stop, on the text decoded here), then its caller gets the RequestOutput so far."""
         self.stats["deltas"] += len(deltas)
         eos = self.tokenizer.eos_token_ids
         now = time.perf_counter()
@@ -427,7 +420,7 @@ class AsyncLLM:
                     req.cumulative_logprob = d.cumulative_logprobs[i]  # step27: after this token, none past a stop
                     req.metrics.token_times.append(now)
                     req.metrics.first_token_time = req.metrics.first_token_time or now
-                    req.finish = _check_stop(req, token, len(req.output_ids), eos)
+                    req.finish = check_stop(req.params, token, len(req.output_ids), eos, req.detokenizer)
                     if req.finish is not None:
                         req.metrics.finished_time = now
                         break
@@ -446,27 +439,6 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(_put_all, puts)
             except RuntimeError:
                 pass
-
-
-def _check_stop(req: _Request, last: int, num_outputs: int, eos) -> Finish | None:
-    """LLM._check_stop, in the front end: EOS, stop token ids, stop strings (on the text), max_tokens."""
-    sp, detok = req.params, req.detokenizer
-    if last in eos and not sp.ignore_eos:
-        return Finish("stop", None, detok.final_text())
-    if last in sp.stop_token_ids:
-        return Finish("stop", last, detok.final_text())
-    new = detok.add(last)
-    if new and sp.stop:
-        text = detok.text
-        window_start = max(0, len(text) - len(new) - max(len(s) for s in sp.stop) + 1)
-        window = text[window_start:]
-        hits = [(window.find(s), s) for s in sp.stop if s in window]
-        if hits:
-            cut, stop = min(hits)
-            return Finish("stop", stop, text[:window_start + cut])
-    if num_outputs >= sp.max_tokens:
-        return Finish("length", None, detok.final_text())
-    return None
 
 
 def _run_core(module: str, *args) -> None:
