@@ -36,10 +36,14 @@ class Command:
     returncode: int = 0  # the chapter says the command refuses: its exit status (shared/cli.py's error: 2)
     says: str = ""  # a text the output must hold, where the chapter quotes one
     prints_nothing: bool = False  # the chapter says it prints nothing (a pipeline through grep that finds nothing)
+    cheapest: tuple = ()  # the command's cheapest mode, as the suite runs it: these words replace (old, new) pairs
 
 
-# The commands run, as written. Each step's run.py runs its whole lesson on the CPU (20 to 90 s on 2 shared cores, one
-# thread each): slow, as are the benchmark scripts.
+# The commands run, as written, each in its cheapest mode (CHEAPEST_RUN_PY appended to a run.py: a one-token answer and
+# a one-token lesson, the chapter's own options kept; fewer held-out tokens for the perplexity table), so the suite
+# pays seconds, not the minutes a whole lesson or benchmark takes on 2 shared cores. Those still over a few seconds
+# are slow (make test runs them, make test-fast does not).
+CHEAPEST_RUN_PY = ("--max-tokens", "1", "--lesson-tokens", "1")
 COMMANDS = {
     # smollm2-135m split over 3 processes on the CPU: about 90 s
     "python steps/step22/run.py --tensor-parallel-size 3":
@@ -55,7 +59,7 @@ COMMANDS = {
     "python steps/step29/run.py": Command(slow=True, says="The outputs are equal"),
     # the perplexity of the float model and of six roundings (AWQ searched per layer) over 2,048 tokens: minutes
     "python3 docs/data/bench_step29_ppl.py --out /tmp/ppl.json --tokens 2048":
-        Command(slow=True, timeout=1200, says="int4 AWQ, groups of 192: perplexity"),
+        Command(slow=True, says="int4 AWQ, groups of 192: perplexity", cheapest=(("--tokens 2048", "--tokens 128"),)),
     "python steps/step30/run.py --kv-cache-dtype int8": Command(slow=True, says="KV dtype int8"),
     "python docs/data/bench_step30_drift.py": Command(slow=True, says="relative error"),
     "python steps/step32/run.py --kv-offloading-size 0": Command(slow=True, says="KV tier: off"),
@@ -178,6 +182,11 @@ def as_run(command: str) -> tuple[list[str] | str, dict, bool]:
 @pytest.mark.parametrize("command, spec", command_params())
 def test_command(command, spec):
     assert "--help" not in command.split(), "--help does not run the script"
+    for old, new in spec.cheapest:
+        assert old in command, (old, command)
+        command = command.replace(old, new)
+    if re.match(r"python3? steps/step\d+/run\.py", command):
+        command += " " + " ".join(CHEAPEST_RUN_PY)
     args, env, shell = as_run(command)
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=spec.timeout, env=env, shell=shell,
                           executable="/bin/bash" if shell else None)
