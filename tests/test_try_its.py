@@ -160,7 +160,11 @@ def test_every_command_is_run_or_skipped():
 
 
 def command_params():
-    return [pytest.param(c, spec, id=c[:80], marks=[pytest.mark.slow] if spec.slow else [])
+    """(step, command, spec): the chapter's step is the test's `step` parameter, so that --step selects it and the
+    quick run (make test-fast) runs the try-its of the newest steps only, as for every test that takes a step."""
+    chapter_of = {c: chapter for chapter, c in all_commands()}
+    return [pytest.param(chapter_of.get(c, CHAPTERS[-1]), c, spec, id=f"{chapter_of.get(c, '?')}-{c[:80]}",
+                         marks=[pytest.mark.slow] if spec.slow else [])
             for c, spec in COMMANDS.items()]
 
 
@@ -179,8 +183,8 @@ def as_run(command: str) -> tuple[list[str] | str, dict, bool]:
     return [sys.executable, *shlex.split(rest)], env, False
 
 
-@pytest.mark.parametrize("command, spec", command_params())
-def test_command(command, spec):
+@pytest.mark.parametrize("step, command, spec", command_params())
+def test_command(step, command, spec):
     assert "--help" not in command.split(), "--help does not run the script"
     for old, new in spec.cheapest:
         assert old in command, (old, command)
@@ -217,12 +221,12 @@ def block_params():
             marks.append(pytest.mark.skip(reason=reason))
         if any(c == chapter and line in block for c, line in SLOW_BLOCKS):
             marks.append(pytest.mark.slow)
-        params.append(pytest.param(block, id=f"{chapter}-block{i}", marks=marks))
+        params.append(pytest.param(chapter, block, id=f"{chapter}-block{i}", marks=marks))
     return params
 
 
-@pytest.mark.parametrize("block", block_params())
-def test_python_block(block):
+@pytest.mark.parametrize("step, block", block_params())
+def test_python_block(step, block):
     proc = subprocess.run([sys.executable, "-c", block], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, f"exit status {proc.returncode}:\n{_output(proc)[-3000:]}"
