@@ -55,7 +55,7 @@ def show_lesson(llm, args) -> None:
               for i in range(b)]
     seeds, positions = [request_seed(sp) for sp in params], [0] * b
     per_request = median_ms(lambda: [sample_batch(logits[i:i + 1], [sp], [seeds[i]], [0]) for i, sp in
-                                     enumerate(params)])  # step11: one call per request
+                                     enumerate(params)])  # one sampler call per request
     batched = median_ms(lambda: sample_batch(logits, params, seeds, positions))
     # Detokenizing: step11 decoded all output ids after every token; here each token decodes a short window.
     tok = llm.tokenizer
@@ -63,7 +63,7 @@ def show_lesson(llm, args) -> None:
     while tok.decode(ids).endswith("\ufffd"):  # do not end inside a character split over several tokens
         ids = ids[:-1]
 
-    def decode_all():  # step11: the whole output decoded again after every token
+    def decode_all():  # the whole output decoded again after every token
         for n in range(1, len(ids) + 1):
             text = tok.decode(ids[:n])
         return text

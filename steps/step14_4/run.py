@@ -37,14 +37,14 @@ def show_lesson(llm, args) -> None:
                                     ("prefill forward: 1 row x 128 tokens", 1, 0, 128)]:
         scores = torch.randn(c.num_kv_heads, group, new, start + new, device=device)  # one row's scores, one layer
 
-        def every_row_every_layer():  # step14_3: two aranges, a compare and a masked_fill per row, per layer
+        def every_row_every_layer():  # before: two aranges, a compare and a masked_fill per row, per layer
             for _ in range(c.num_layers):
                 for _ in range(batch):
                     query_pos = torch.arange(start, start + new, device=device)
                     mask = torch.arange(start + new, device=device)[None, :] <= query_pos[:, None]
                     scores.masked_fill(~mask, float("-inf"))
 
-        def once_per_step():  # step14_4: built once (the model runner), applied per layer; nothing for decodes
+        def once_per_step():  # now: built once (the model runner), applied per layer; nothing for decodes
             masks = [causal_mask(start, new, device) for _ in range(batch)]
             for _ in range(c.num_layers):
                 for mask in masks:

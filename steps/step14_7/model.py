@@ -148,7 +148,7 @@ class CausalLM:
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # views of the one KV tensor
         write_kv(k_cache, attn.slot_mapping, k)  # one scatter for every new token of every sequence
         write_kv(v_cache, attn.slot_mapping, v)
-        # Each sequence has its own context: attention still runs sequence by sequence (step15: one kernel).
+        # Each sequence has its own context: attention still runs sequence by sequence (step15 makes it one kernel).
         outputs = []
         for i in range(attn.num_seqs):
             keys = gather_kv(k_cache, attn.context_slots[i])  # [context, kv_heads, head_dim]

@@ -5,7 +5,7 @@ sequences into the tensors the model reads (input ids, positions, the slot mappi
 that the model's attention backend builds: attention.py), runs the forward, and samples the next tokens. The
 scheduler and the block manager never touch a tensor; the model never sees a sequence.
 
-step18: the block tables live in BlockTables, one persistent row per running sequence (max_num_seqs rows, as wide
+The block tables live in BlockTables, one persistent row per running sequence (max_num_seqs rows, as wide
 as the widest table can be: max_table_blocks). A step writes into the rows only the blocks appended since the
 sequence's last step, and reads the step's block tables and slot mapping from the rows; the block manager tells
 the rows when a sequence's blocks are released (its row is then free).

@@ -12,12 +12,12 @@ generate() and chat() are add_request plus step() until every request is done. e
 Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
 the kernels run on a CPU only in Triton's interpreter).
 
-Added by step, oldest first (each step's outputs equal the one before it, with the option that turns it off):
-- step18: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
+What each part does (with the option that turns a part off, the outputs equal the engine's without it):
+- Mixed batches: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
   (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs flash
   decoding (kernels/decode.py). The scheduler has no phases: every running request catches up on its tokens
   without KV under one token budget, the least behind first (a decode is a request one token behind).
-- step19: the layer's small operators run as three fused kernels (kernels/fused.py).
+- Fusion: the layer's small operators run as three fused kernels (kernels/fused.py).
 """
 from __future__ import annotations
 

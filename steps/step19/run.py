@@ -195,7 +195,7 @@ def show_decode_step(llm, seats: int = 64, steps: int = 30) -> None:
     print(f"\nOne engine step while {seats} requests decode (context about 130 tokens), median of 3 runs of {steps} "
           "steps, alternated:")
     print(format_table(["step", "ms per step", "the 3 runs"], rows))
-    print(f"step19 / step18: {sorted(results['step18'])[1] / sorted(results['step19'])[1]:.2f}x faster")
+    print(f"step19 is {sorted(results['step18'])[1] / sorted(results['step19'])[1]:.2f}x faster than step18")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Each object does two things, and is the only code that knows how its attention r
     forward(q, k_cache, v_cache, attn,  once per layer, called by the model once it has written the new tokens'
             k_scale, v_scale)           K/V into the cache: q [N, heads, head_dim] -> [N, heads * head_dim]
 
-step20: with an int8 KV cache the model also passes the scales (k_scale, v_scale [num_blocks, block_size,
+With an int8 KV cache the model also passes the scales (k_scale, v_scale [num_blocks, block_size,
 kv_heads] fp32; None for a cache in the model's dtype). TorchAttention dequantises after its gather; the kernels
 dequantise each tile they load.
 """

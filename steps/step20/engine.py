@@ -12,13 +12,13 @@ generate() and chat() are add_request plus step() until every request is done. e
 Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
 the kernels run on a CPU only in Triton's interpreter) and kv_cache_dtype ("auto" or "int8").
 
-Added by step, oldest first (each step's outputs equal the one before it, with the option that turns it off):
-- step18: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
+What each part does (with the option that turns a part off, the outputs equal the engine's without it):
+- Mixed batches: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
   (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs flash
   decoding (kernels/decode.py). The scheduler has no phases: every running request catches up on its tokens
   without KV under one token budget, the least behind first (a decode is a request one token behind).
-- step19: the layer's small operators run as three fused kernels (kernels/fused.py).
-- step20: kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
+- Fusion: the layer's small operators run as three fused kernels (kernels/fused.py).
+- kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
   (model.py's quantize_kv and dequantize_kv; the kernels dequantise each tile they load): about 1.9x the tokens in
   the same memory, for a small rounding error in every key and value. "auto" keeps the model's dtype.
 """

@@ -15,7 +15,7 @@ Everything else (requests, blocks, sampling) belongs to the engine around it.
 The layer's elementwise groups (residual add + RMSNorm, SiLU * up, q/k norm + RoPE) go through self.ops: the torch
 operators of TorchLayerOps, or one Triton kernel each (kernels/fused.py's TritonLayerOps), picked by the engine.
 
-step20: an int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
+An int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
 (token, KV head), write_kv quantises the new rows as it stores them (quantize_kv) and gather_kv restores them
 (dequantize_kv) for the torch path; the kernels dequantise inside their loops.
 """

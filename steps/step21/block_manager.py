@@ -17,7 +17,7 @@ cached are always taken before any cached block is evicted.
 Each block's hash is computed once, when the block fills, and kept on the sequence (sequence.block_hashes):
 admission looks a waiting prompt up with the hashes it already has, however often it is asked.
 
-step18: on_release, when given, is told of every request whose table release() gives back (finished, preempted or
+on_release, when given, is told of every request whose table release() gives back (finished, preempted or
 aborted): the model runner frees the request's block-table row (model_runner.py's BlockTables).
 """
 from __future__ import annotations

@@ -13,16 +13,16 @@ Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or
 the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto" or "int8") and enforce_eager (False:
 decode steps replay CUDA graphs where they can; llm.cuda_graphs says whether they do and why not).
 
-Added by step, oldest first (each step's outputs equal the one before it, with the option that turns it off):
-- step18: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
+What each part does (with the option that turns a part off, the outputs equal the engine's without it):
+- Mixed batches: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
   (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs flash
   decoding (kernels/decode.py). The scheduler has no phases: every running request catches up on its tokens
   without KV under one token budget, the least behind first (a decode is a request one token behind).
-- step19: the layer's small operators run as three fused kernels (kernels/fused.py).
-- step20: kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
+- Fusion: the layer's small operators run as three fused kernels (kernels/fused.py).
+- kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
   (model.py's quantize_kv and dequantize_kv; the kernels dequantise each tile they load): about 1.9x the tokens in
   the same memory, for a small rounding error in every key and value. "auto" keeps the model's dtype.
-- step21: CUDA graphs. The decode forward is recorded once per batch-size bucket (1, 2, 4, 8, then every 8) and
+- CUDA graphs. The decode forward is recorded once per batch-size bucket (1, 2, 4, 8, then every 8) and
   replayed (cuda_graphs.py): one graph launch for the host instead of a kernel launch per operator. The batch is
   padded to its bucket, its inputs copied into static buffers from pinned staging; padding rows write to a scratch
   block. Steps with prompt chunks run eagerly. The host work around the forward is cut too: one wait for the GPU
@@ -111,7 +111,7 @@ class LLM:
         if backend.name == "triton":  # the kernels' path: the layer's elementwise groups fused too (kernels/fused.py)
             from .kernels.fused import TritonLayerOps
             self.model.ops = TritonLayerOps()
-        # rows: summed. step21: graph_replays (forwards replayed from a graph), eager_forwards, padded_rows (rows
+        # rows: summed. graph_replays (forwards replayed from a graph), eager_forwards, padded_rows (rows
         # added to fill a bucket), syncs (waits for the GPU: one per step that samples, on CUDA)
         self.stats = {"prefill_chunks": 0, "decode_steps": 0, "decode_rows": 0, "forwards": 0, "graph_replays": 0,
                       "eager_forwards": 0, "padded_rows": 0, "syncs": 0}

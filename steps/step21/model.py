@@ -15,11 +15,11 @@ Everything else (requests, blocks, sampling) belongs to the engine around it.
 The layer's elementwise groups (residual add + RMSNorm, SiLU * up, q/k norm + RoPE) go through self.ops: the torch
 operators of TorchLayerOps, or one Triton kernel each (kernels/fused.py's TritonLayerOps), picked by the engine.
 
-step20: an int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
+An int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
 (token, KV head), write_kv quantises the new rows as it stores them (quantize_kv) and gather_kv restores them
 (dequantize_kv) for the torch path; the kernels dequantise inside their loops.
 
-step21: a forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
+A forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
 step of decodes (one new token per sequence) builds no tensor from host data, so its forward is the same kernels
 on the same buffers every time (cuda_graphs.py captures it).
 """
@@ -198,7 +198,7 @@ class CausalLM:
         self.kv_cache: KVCache | None = None  # bound by the model runner once the cache is allocated
         self.attention_backend = None  # attention.py's TorchAttention or TritonAttention, bound by the engine
         self.ops = TorchLayerOps()  # the elementwise groups: torch operators, or kernels/fused.py's (the engine picks)
-        # step21: RoPE's cos/sin for every position, computed once: a step indexes them by its positions (one
+        # RoPE's cos/sin for every position, computed once: a step indexes them by its positions (one
         # gather, nothing computed from host data), which a CUDA graph can replay. Equal to rope_cos_sin's per step.
         dtype, device = weights["model.norm.weight"].dtype, weights["model.norm.weight"].device
         self.rope_cos, self.rope_sin = rope_cos_sin(torch.arange(config.max_position_embeddings, device=device),

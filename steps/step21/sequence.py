@@ -36,7 +36,7 @@ class Finish(NamedTuple):
 class Sequence:
     """One request's state from arrival to finish.
 
-    step21: eq=False. Two sequences are the same only if they are one object. A dataclass's default __eq__ compares
+    eq=False. Two sequences are the same only if they are one object. A dataclass's default __eq__ compares
     every field, and the scheduler's `running.remove(r)` (finish, preempt) calls it once per element before r: at
     256 running sequences, up to 255 field-by-field comparisons for each sequence that leaves."""
 

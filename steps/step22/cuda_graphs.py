@@ -130,7 +130,7 @@ class DecodeGraphs:
         self.replays = 0  # graph launches
         self.eager_runs = 0  # launch() without a graph (a CPU, or before capture)
         self.pool_bytes = 0  # device memory the graphs hold (their private memory pool), measured by capture()
-        self.collectives: dict[int, tuple] = {}  # step22: what each graph's capture counted of the all-reduces
+        self.collectives: dict[int, tuple] = {}  # what each graph's capture counted of the all-reduces
 
     def forward(self, size: int) -> torch.Tensor:
         """The model on the static buffers' first `size` rows: what a graph records, and the eager path."""
@@ -182,7 +182,7 @@ class DecodeGraphs:
         if size in self.graphs:
             self.graphs[size].replay()
             self.replays += 1
-            self.model.tp.add(self.collectives[size])  # step22: the recorded all-reduces ran again
+            self.model.tp.add(self.collectives[size])  # the recorded all-reduces ran again
             return self.logits[size][:num_rows]
         self.eager_runs += 1
         return self.forward(size)[:num_rows]

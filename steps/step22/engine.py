@@ -17,21 +17,21 @@ the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto" o
 decode steps replay CUDA graphs where they can; llm.cuda_graphs says whether they do and why not) and
 tensor_parallel_size (default 1: no worker, no collective).
 
-Added by step, oldest first (each step's outputs equal the one before it, with the option that turns it off):
-- step18: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
+What each part does (with the option that turns a part off, the outputs equal the engine's without it):
+- Mixed batches: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
   (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs flash
   decoding (kernels/decode.py). The scheduler has no phases: every running request catches up on its tokens
   without KV under one token budget, the least behind first (a decode is a request one token behind).
-- step19: the layer's small operators run as three fused kernels (kernels/fused.py).
-- step20: kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
+- Fusion: the layer's small operators run as three fused kernels (kernels/fused.py).
+- kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
   (model.py's quantize_kv and dequantize_kv; the kernels dequantise each tile they load): about 1.9x the tokens in
   the same memory, for a small rounding error in every key and value. "auto" keeps the model's dtype.
-- step21: CUDA graphs. The decode forward is recorded once per batch-size bucket (1, 2, 4, 8, then every 8) and
+- CUDA graphs. The decode forward is recorded once per batch-size bucket (1, 2, 4, 8, then every 8) and
   replayed (cuda_graphs.py): one graph launch for the host instead of a kernel launch per operator. The batch is
   padded to its bucket, its inputs copied into static buffers from pinned staging; padding rows write to a scratch
   block. Steps with prompt chunks run eagerly. The host work around the forward is cut too: one wait for the GPU
   per step, to read the sampled tokens (model_runner.py's read_back), and sequences compare by identity.
-- step22: tensor parallelism. This process is rank 0 (scheduler, block manager, sampler); N - 1 worker processes
+- Tensor parallelism. This process is rank 0 (scheduler, block manager, sampler); N - 1 worker processes
   (worker.py, started with the spawn method) hold their share of every layer and of the KV cache. Each step rank 0
   broadcasts the step's inputs and every rank runs the same forward, joined by two all-reduces per layer (NCCL
   between GPUs, gloo between CPU processes); the logits are gathered on rank 0, which samples. shutdown(), the

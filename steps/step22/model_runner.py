@@ -5,21 +5,21 @@ sequences into the tensors the model reads (input ids, positions, the slot mappi
 that the model's attention backend builds: attention.py), runs the forward, and samples the next tokens. The
 scheduler and the block manager never touch a tensor; the model never sees a sequence.
 
-step18: the block tables live in BlockTables, one persistent row per running sequence (max_num_seqs rows, as wide
+The block tables live in BlockTables, one persistent row per running sequence (max_num_seqs rows, as wide
 as the widest table can be: max_table_blocks). A step writes into the rows only the blocks appended since the
 sequence's last step, and reads the step's block tables and slot mapping from the rows; the block manager tells
 the rows when a sequence's blocks are released (its row is then free).
 
-step20: the cache may be int8 (kv_cache_dtype="int8"), and its size counts the scales: kv_bytes_per_token.
+The cache may be int8 (kv_cache_dtype="int8"), and its size counts the scales: kv_bytes_per_token.
 
-step21: CUDA graphs (cuda_graphs.py). After the cache is allocated the runner captures the decode forward once per
+CUDA graphs (cuda_graphs.py). After the cache is allocated the runner captures the decode forward once per
 batch-size bucket (capture_graphs); a step of decodes only is then filled into static buffers and replayed, every
 other step runs eagerly as before. The cache has one block more than the block manager hands out: the scratch
 block padding rows write to. The memory the graphs hold is measured before the pool is sized (one trial capture of
 the largest bucket) and left out of the pool. Sampling stays on the device; the step's one wait for the GPU is
 the copy of the sampled tokens (and their logprobs) back to the host (read_back).
 
-step22: tensor parallelism (parallel.py). Every rank has a model runner of its own, with its shard of the model and
+Tensor parallelism (parallel.py). Every rank has a model runner of its own, with its shard of the model and
 its KV heads' cache; rank 0's is the engine's, and before each step it hands the step to the workers
 (parallel.py's Workers.start_step: the inputs broadcast), which run the same execute on them. On CUDA the ranks
 agree on the pool's size (the smallest any rank can hold), so a block id means the same slots on every rank. Rank 0

@@ -17,26 +17,26 @@ the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto" o
 decode steps replay CUDA graphs where they can; llm.cuda_graphs says whether they do and why not) and
 tensor_parallel_size (default 1: no worker, no collective).
 
-Added by step, oldest first (each step's outputs equal the one before it, with the option that turns it off):
-- step18: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
+What each part does (with the option that turns a part off, the outputs equal the engine's without it):
+- Mixed batches: every row of a step, decodes and prefill chunks alike, is attended by one kernel launch per layer
   (kernels/attention.py's mixed_attention); a step of decodes only, with contexts long enough to split, runs flash
   decoding (kernels/decode.py). The scheduler has no phases: every running request catches up on its tokens
   without KV under one token budget, the least behind first (a decode is a request one token behind).
-- step19: the layer's small operators run as three fused kernels (kernels/fused.py).
-- step20: kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
+- Fusion: the layer's small operators run as three fused kernels (kernels/fused.py).
+- kv_cache_dtype="int8" keeps K and V as int8 with one fp32 scale per (token, KV head), scale = max|x| / 127
   (model.py's quantize_kv and dequantize_kv; the kernels dequantise each tile they load): about 1.9x the tokens in
   the same memory, for a small rounding error in every key and value. "auto" keeps the model's dtype.
-- step21: CUDA graphs. The decode forward is recorded once per batch-size bucket (1, 2, 4, 8, then every 8) and
+- CUDA graphs. The decode forward is recorded once per batch-size bucket (1, 2, 4, 8, then every 8) and
   replayed (cuda_graphs.py): one graph launch for the host instead of a kernel launch per operator. The batch is
   padded to its bucket, its inputs copied into static buffers from pinned staging; padding rows write to a scratch
   block. Steps with prompt chunks run eagerly. The host work around the forward is cut too: one wait for the GPU
   per step, to read the sampled tokens (model_runner.py's read_back), and sequences compare by identity.
-- step22: tensor parallelism. This process is rank 0 (scheduler, block manager, sampler); N - 1 worker processes
+- Tensor parallelism. This process is rank 0 (scheduler, block manager, sampler); N - 1 worker processes
   (worker.py, started with the spawn method) hold their share of every layer and of the KV cache. Each step rank 0
   broadcasts the step's inputs and every rank runs the same forward, joined by two all-reduces per layer (NCCL
   between GPUs, gloo between CPU processes); the logits are gathered on rank 0, which samples. shutdown(), the
   engine going away and this process exiting all stop the workers; a worker that dies is an error at the next step.
-- step23: what a streaming engine needs (async_llm.py's AsyncLLM runs this LLM in a thread of its own):
+- What a streaming engine needs (async_llm.py's AsyncLLM runs this LLM in a thread of its own):
   step(partial=True) also returns the requests that got a token and go on, their text held back by the longest stop
   string's length minus one, so that a later stop string never takes back text already sent; add_request takes the
   caller's request_id; abort_request returns what it dropped. A step that fails fails one request at most: alone,
@@ -114,7 +114,7 @@ class LLM:
         # the split must fit the model's heads: checked on its config, before any process starts
         config = ModelConfig.from_json(model_dir / "config.json")
         self.tensor_parallel_size = check_tensor_parallel_size(tensor_parallel_size, config, self.device)
-        self.max_logprobs = check_max_logprobs(max_logprobs, config.vocab_size)  # step23: a request's most logprobs
+        self.max_logprobs = check_max_logprobs(max_logprobs, config.vocab_size)  # a request's most logprobs
         self.tokenizer = Tokenizer(model_dir)
         options = dict(dtype=self.dtype, attention_backend=choose_attention_backend(attention_backend, self.device),
                        kv_cache_dtype=kv_cache_dtype, enforce_eager=self.enforce_eager, max_num_seqs=max_num_seqs,
@@ -143,7 +143,7 @@ class LLM:
             raise
         self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
         self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers
-        self.stats["requeued_after_failure"] = 0  # step23: requests put back by a step that failed beside them
+        self.stats["requeued_after_failure"] = 0  # requests put back by a step that failed beside them
         self.max_model_len = self.model.config.max_position_embeddings
         num_blocks = self.memory["num_blocks"]
         if self.cuda_graphs["enabled"]:
@@ -218,7 +218,7 @@ class LLM:
         return list(mine.values())
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue one request (a string or token ids); it joins the running batch at a coming step(). step23:
+        """Queue one request (a string or token ids); it joins the running batch at a coming step().
         request_id names it (any string no queued or running request has; None: the engine numbers it)."""
         text, ids, sp = self.check_request(prompt, sampling_params)
         return self._add(text, ids, sp, request_id)
@@ -268,7 +268,7 @@ class LLM:
         """One iteration: every running request computes the tokens the scheduler gave it (one for a decode, a
         chunk of its prompt otherwise), all in one forward within the token budget. Returns the requests that finished in this iteration,
         and any that finished earlier without being handed out (while another caller's generate() ran).
-        step23: partial=True also returns each request that got a token and goes on (finished=False, its text so
+        partial=True also returns each request that got a token and goes on (finished=False, its text so
         far). An idle engine returns []."""
         self._check_running()
         handed_out, self.finished_outputs = self.finished_outputs, []
@@ -314,7 +314,7 @@ class LLM:
             return outputs
 
     def _fail_step(self, seqs: list[Sequence]) -> None:
-        """step23: a step raised, and left these sequences half-updated. One that ran alone failed on its own inputs:
+        """A step raised, and left these sequences half-updated. One that ran alone failed on its own inputs:
         it is dropped (it leaves the queues, its blocks are freed) and its caller gets the error. Beside others, which
         one failed the step is not known: each is put back (scheduler.requeue: preempted, its tokens kept and its KV
         recomputed, so the same tokens follow) and runs alone until it gets a token, where a failure is its own. A
@@ -367,7 +367,7 @@ class LLM:
                 seq.append_token(next_id)
                 seq.metrics.token_times.append(now)
                 seq.metrics.first_token_time = seq.metrics.first_token_time or now
-            if self.scheduler.num_suspects:  # step23: a suspect that got a token (alone) runs with the others again
+            if self.scheduler.num_suspects:  # a suspect that got a token (alone) runs with the others again
                 for seq in seqs:
                     self.scheduler.clear_suspect(seq)
         with self.timers.phase("detokenize"):

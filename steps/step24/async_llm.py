@@ -1,4 +1,4 @@
-"""step23: a streaming engine. `AsyncLLM(model, **engine_options)` serves many callers of one event loop at once:
+"""A streaming engine. `AsyncLLM(model, **engine_options)` serves many callers of one event loop at once:
 `async for out in engine.generate(prompt, params, request_id)` yields a RequestOutput each time the request gets a
 token (cumulative text and token ids, vLLM's default; the last has finished=True), `await engine.abort(request_id)`
 ends a request and frees its blocks, `engine.shutdown()` stops it. One background thread runs the step loop (the

@@ -36,7 +36,7 @@ class Finish(NamedTuple):
 class Sequence:
     """One request's state from arrival to finish.
 
-    step21: eq=False. Two sequences are the same only if they are one object. A dataclass's default __eq__ compares
+    eq=False. Two sequences are the same only if they are one object. A dataclass's default __eq__ compares
     every field, and the scheduler's `running.remove(r)` (finish, preempt) calls it once per element before r: at
     256 running sequences, up to 255 field-by-field comparisons for each sequence that leaves."""
 
@@ -57,7 +57,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block of its tokens, computed
     # once, as the block fills (block_manager.hash_new_blocks), and kept for life: preemption does not drop them
     num_cached_blocks: int = 0  # how many blocks of block_table are registered in the prefix cache
-    suspect: bool = False  # step23: put back by a step that failed beside it; runs alone until it gets a token
+    suspect: bool = False  # put back by a step that failed beside it; runs alone until it gets a token
 
     def __post_init__(self):
         # prompt then output in one list, grown by append_token: read every step, so never rebuilt
@@ -72,7 +72,7 @@ class Sequence:
         return len(self.token_ids)
 
     def partial_output(self) -> RequestOutput:
-        """step23: the request so far, while it goes on (finished=False): its tokens, and its text minus the last
+        """The request so far, while it goes on (finished=False): its tokens, and its text minus the last
         (longest stop string - 1) characters, which a stop string completed later could still cut; a text shorter
         than that shows nothing yet. So every partial text is the start of the final one, and a stream's texts only
         grow. Its output ids and logprobs are copies (what the request had then); its prompt ids are not copied each

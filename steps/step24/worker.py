@@ -40,7 +40,7 @@ def graphs_off_reason(enforce_eager: bool, device: torch.device, attention_backe
 
 
 def new_stats() -> dict:
-    """The engine's counters. rows: summed. step21: graph_replays (forwards replayed from a graph), eager_forwards,
+    """The engine's counters. rows: summed. graph_replays (forwards replayed from a graph), eager_forwards,
     padded_rows (rows added to fill a bucket), syncs (waits for the GPU: one per step that samples, on CUDA)."""
     return {"prefill_chunks": 0, "decode_steps": 0, "decode_rows": 0, "forwards": 0, "graph_replays": 0,
             "eager_forwards": 0, "padded_rows": 0, "syncs": 0}

@@ -1,4 +1,4 @@
-"""step24: an OpenAI-compatible HTTP server on top of step23's streaming engine (AsyncLLM).
+"""An OpenAI-compatible HTTP server on top of the streaming engine (async_llm.py's AsyncLLM).
 
     python steps/step24/serve.py --model smollm2-135m [--host 127.0.0.1] [--port 8000] [--api-key K] [engine options]
 

@@ -137,7 +137,7 @@ def decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
     return out
 
 
-# ---- step17: flash decoding ---------------------------------------------------------------------------------
+# ---- flash decoding -----------------------------------------------------------------------------------------
 
 def choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms=132, min_tokens_per_split=256):
     """How many parts to cut each context into.
