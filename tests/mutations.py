@@ -549,9 +549,9 @@ MUTATIONS = [
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a placeholder's input id (0) instead "
         "of the device's token",
         "steps/step25/model_runner.py",
-        "                if placeholders:  # step25: row i of the static inputs is sequence i\n"
+        "                if placeholders:  # row i of the static inputs is sequence i\n"
         "                    self.fill_placeholders(",
-        "                if False:  # step25: row i of the static inputs is sequence i\n"
+        "                if False:  # row i of the static inputs is sequence i\n"
         "                    self.fill_placeholders(",
         ("tests/test_part9_overlap.py::test_gpu_async_equals_step24_exactly_while_the_batches_match",), gpu=True),
     Mutation(

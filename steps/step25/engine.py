@@ -37,7 +37,7 @@ A step that fails (step23's rule, _fail_step) fails one request at most. A reque
 and its caller gets the error. The requests of a step of several are put back, preempted (their tokens kept, their
 KV recomputed), each a suspect that the scheduler runs alone until it gets a token, in synchronous steps (no step
 in flight): only a request whose own inputs fail a step fails, and the others get the tokens they would have had.
-The step raises its error all the same (its caller may know better: step26's core dies of a device error).
+The step raises its error all the same (its caller may know better: a core process dies of a device error).
 
 Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
 the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto", or "int8": K and V as int8 with an

@@ -172,7 +172,7 @@ class ModelRunner:
         self.workers = workers  # rank 0 of a tensor-parallel group: parallel.py's Workers (None: alone, or a worker)
         # [max_num_seqs] int64, the newest token sampled for each block-table row, written on the device
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        # step25, tensor parallel: rank 0 broadcasts last_token to the workers after each step that samples, so
+        # tensor parallel: rank 0 broadcasts last_token to the workers after each step that samples, so
         # each rank fills its placeholders' input ids from its own copy (set by the engine; a worker is told per step)
         self.share_tokens = False
 

@@ -17,10 +17,10 @@ cached are always taken before any cached block is evicted.
 Each block's hash is computed once, when the block fills, and kept on the sequence (sequence.block_hashes):
 admission looks a waiting prompt up with the hashes it already has, however often it is asked.
 
-step18: on_release, when given, is told of every request whose table release() gives back (finished, preempted or
+on_release, when given, is told of every request whose table release() gives back (finished, preempted or
 aborted): the model runner frees the request's block-table row (model_runner.py's BlockTables).
 
-step25: with async_scheduling a request's newest tokens may be placeholders (sampled on the device, not read yet:
+With async_scheduling a request's newest tokens may be placeholders (sampled on the device, not read yet:
 sequence.py's num_output_placeholders). num_tokens counts them, so each has its slot, but token_ids holds only the
 tokens the host knows, and a block is hashed only once every token in it is known (hash_new_blocks reads
 token_ids): no hash covers a placeholder; the hashes of a block that fills with one are made at a later step, once
@@ -109,7 +109,7 @@ class BlockManager:
     def hash_new_blocks(self, request) -> None:
         """Hash the request's full blocks that have no hash yet: each block once in the request's life."""
         tokens, size, hashes = request.token_ids, self.block_size, request.block_hashes
-        for i in range(len(hashes), len(tokens) // size):  # step25: token_ids, the known tokens (no placeholder)
+        for i in range(len(hashes), len(tokens) // size):  # token_ids: the known tokens (no placeholder)
             hashes.append(block_hash(hashes[-1] if hashes else None, tuple(tokens[i * size:(i + 1) * size])))
             self.num_hashed += 1
 

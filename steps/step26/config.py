@@ -32,7 +32,7 @@ def check_enforce_eager(enforce_eager) -> bool:
 
 
 def choose_async_scheduling(asked, device: torch.device) -> bool:
-    """step25: async_scheduling, True, False or None (on with CUDA, off elsewhere). With tensor parallelism too: rank
+    """async_scheduling: True, False or None (on with CUDA, off elsewhere). With tensor parallelism too: rank
     0 shares each step's sampled tokens with the workers on the devices (model_runner.py's share_tokens)."""
     if asked is not None and not isinstance(asked, bool):
         raise ValueError(f"async_scheduling must be True, False or None, got {asked!r}")
@@ -71,8 +71,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8"
     enforce_eager: bool = False  # True: no CUDA graphs
     tensor_parallel_size: int = 1  # ranks: this process and N - 1 workers
-    async_scheduling: bool | None = None  # step25: the overlapped order; None: on with cuda, off elsewhere
-    max_logprobs: int = 20  # step23: the most logprobs a request may ask for (at most the vocabulary)
+    async_scheduling: bool | None = None  # the overlapped order; None: on with cuda, off elsewhere
+    max_logprobs: int = 20  # the most logprobs a request may ask for (at most the vocabulary)
     # found from `model` during the checks: its folder and its config.json
     model_dir: Path = field(init=False)
     model_config: ModelConfig = field(init=False, repr=False)

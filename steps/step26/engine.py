@@ -37,7 +37,7 @@ A step that fails (step23's rule, _fail_step) fails one request at most. A reque
 and its caller gets the error. The requests of a step of several are put back, preempted (their tokens kept, their
 KV recomputed), each a suspect that the scheduler runs alone until it gets a token, in synchronous steps (no step
 in flight): only a request whose own inputs fail a step fails, and the others get the tokens they would have had.
-The step raises its error all the same (its caller may know better: step26's core dies of a device error).
+The step raises its error all the same (its caller may know better: a core process dies of a device error).
 
 Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
 the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto", or "int8": K and V as int8 with an
@@ -111,8 +111,8 @@ class LLM:
             attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling, max_logprobs=max_logprobs)
         self.model_name, self.device, self.dtype = config.model, config.device, config.dtype
-        self.async_scheduling = config.async_scheduling  # step25: read at every step (run.py switches it)
-        self.in_flight: SimpleNamespace | None = None  # step25: the step launched and not read yet
+        self.async_scheduling = config.async_scheduling  # read at every step (run.py switches it)
+        self.in_flight: SimpleNamespace | None = None  # the step launched and not read yet
         self.tokenizer = Tokenizer(config.model_dir)
         self.is_shut_down = False  # shutdown() sets it: nothing runs after
         self.workers: Workers | None = None
@@ -135,15 +135,15 @@ class LLM:
                 raise failure from e
             raise
         self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
-        # step25: with workers, rank 0 sends them each step's sampled tokens on the devices (placeholders' inputs)
+        # with workers, rank 0 sends them each step's sampled tokens on the devices (placeholders' inputs)
         self.runner.share_tokens = self.async_scheduling and self.workers is not None
         self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers
-        self.stats["requeued_after_failure"] = 0  # step23: requests put back by a step that failed beside them
-        # step25: tokens computed for requests that had finished (thrown away); launches that began while the step
+        self.stats["requeued_after_failure"] = 0  # requests put back by a step that failed beside them
+        # tokens computed for requests that had finished (thrown away); launches that began while the step
         # before still ran on the device (CUDA: its results' event not reached yet)
         self.stats.update(discarded_tokens=0, overlapped_launches=0)
         self.max_model_len = config.max_model_len
-        self.max_logprobs = config.max_logprobs  # step23: a request's most logprobs
+        self.max_logprobs = config.max_logprobs  # a request's most logprobs
         self.backend = describe_engine(config, self.model, self.memory, self.cuda_graphs, self.tp)
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
         # a request's released blocks free its block-table row in the runner
@@ -160,7 +160,7 @@ class LLM:
         if self._finalizer is not None:
             self._finalizer()
         self.is_shut_down = True
-        self.in_flight = None  # step25: its results are not read (runner.release waits for the device first)
+        self.in_flight = None  # its results are not read (runner.release waits for the device first)
         self.kv_cache = None  # before the runner hands the memory back: no reference to the cache may be left
         if getattr(self, "runner", None) is not None:
             self.runner.release()
@@ -200,7 +200,7 @@ class LLM:
         return list(mine.values())
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue one request (a string or token ids); it joins the running batch at a coming step(). step23:
+        """Queue one request (a string or token ids); it joins the running batch at a coming step().
         request_id names it (any string no queued or running request has; None: the engine numbers it)."""
         text, ids, sp = self.check_request(prompt, sampling_params)
         return self._add(text, ids, sp, request_id)
@@ -236,7 +236,7 @@ class LLM:
         return request_id
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None  # step25: a step's results to read
+        return self.scheduler.has_unfinished() or self.in_flight is not None  # a step's results to read
 
     def abort_request(self, request_id: str) -> Sequence | None:
         """Drop a waiting or running request: it leaves the queues, releases its KV memory and is never returned.
@@ -250,7 +250,7 @@ class LLM:
         """One iteration: every running request computes the tokens the scheduler gave it (one for a decode, a
         chunk of its prompt otherwise), all in one forward within the token budget. Returns the requests that finished in this iteration,
         and any that finished earlier without being handed out (while another caller's generate() ran).
-        step23: partial=True also returns each request that got a token and goes on (finished=False, its text so
+        partial=True also returns each request that got a token and goes on (finished=False, its text so
         far). An idle engine returns []."""
         self._check_running()
         handed_out, self.finished_outputs = self.finished_outputs, []
@@ -298,17 +298,17 @@ class LLM:
             return outputs
 
     def _fail_step(self, seqs: list[Sequence]) -> None:
-        """step23: a step raised, and left these sequences half-updated. One that ran alone failed on its own inputs:
+        """A step raised, and left these sequences half-updated. One that ran alone failed on its own inputs:
         it is dropped (it leaves the queues, its blocks are freed) and its caller gets the error. Beside others, which
         one failed the step is not known: each is put back (scheduler.requeue: preempted, its tokens kept and its KV
         recomputed, so the same tokens follow) and runs alone until it gets a token, where a failure is its own. A
-        sequence no longer queued or running is left alone. step25: a suspect runs in synchronous steps (_step)."""
+        sequence no longer queued or running is left alone. A suspect runs in synchronous steps (_step)."""
         live = [seq for seq in dict.fromkeys(seqs) if self.scheduler.requests.get(seq.request_id) is seq]
         if len(live) == 1:
             self.scheduler.finish(live[0])
             return
         for seq in live:
-            seq.num_output_placeholders = 0  # step25: its tokens in flight are never read
+            seq.num_output_placeholders = 0  # its tokens in flight are never read
             self.scheduler.requeue(seq)
         self.stats["requeued_after_failure"] += len(live)
 
@@ -318,8 +318,8 @@ class LLM:
 
     def _finish_at(self, r: Sequence, last: int, num_outputs: int) -> Finish | None:
         """-> a Finish once the request must end at its newest token, else None: output.check_stop on its tokens
-        and on the text its detokenizer grows (stop strings). step25: last is its newest token, its num_outputs-th
-        (num_outputs: len(r.output_ids)). step26: the core's LLM checks its tokens only (engine_core._CoreLLM)."""
+        and on the text its detokenizer grows (stop strings). last is its newest token, its num_outputs-th
+        (num_outputs: len(r.output_ids)). The core's LLM checks its tokens only (engine_core._CoreLLM)."""
         return check_stop(r.params, last, num_outputs, self.tokenizer.eos_token_ids, r.detokenizer)
 
     def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -329,7 +329,7 @@ class LLM:
         self._record_tokens(seqs, next_ids, chosen, tops)
 
     def _record_tokens(self, seqs: list[Sequence], next_ids, chosen, tops, read_late: bool = False) -> None:
-        """Append each sequence's new token, check which sequences must stop. step25: read_late, the tokens of a
+        """Append each sequence's new token, check which sequences must stop. read_late: the tokens of a
         step read one step late (async): each was one of its sequence's placeholders, and the count drops. A
         sequence that stops drops the placeholders behind its end (a step launched before the end was known)."""
         with self.timers.phase("sample"):
@@ -344,7 +344,7 @@ class LLM:
                     seq.num_output_placeholders -= 1
                 seq.metrics.token_times.append(now)
                 seq.metrics.first_token_time = seq.metrics.first_token_time or now
-            if self.scheduler.num_suspects:  # step23: a suspect that got a token (alone) runs with the others again
+            if self.scheduler.num_suspects:  # a suspect that got a token (alone) runs with the others again
                 for seq in seqs:
                     self.scheduler.clear_suspect(seq)
         with self.timers.phase("detokenize"):
@@ -354,7 +354,7 @@ class LLM:
                     seq.num_output_placeholders = 0  # the tokens launched after its end are thrown away when read
                     seq.metrics.finished_time = now
 
-    # ---- step25: the overlapped loop ------------------------------------------------------------------------
+    # ---- the overlapped loop --------------------------------------------------------------------------------
     def _step_async(self, partial: bool) -> list[RequestOutput]:
         """One step of the overlapped loop: (1) schedule step N + 1 and launch its forward and its sampling, reading
         nothing back; (2) only then read step N's tokens and finish what they finish (_read_step); (3) count step

@@ -1,4 +1,4 @@
-"""step26: the engine core in its own process. vLLM V1's split: the front end (async_llm.py's AsyncLLM, and the
+"""The engine core in its own process. vLLM V1's split: the front end (async_llm.py's AsyncLLM, and the
 server around it) keeps the tokenizer, the incremental detokenizer, stop strings and the callers' streams; the
 EngineCore, here, keeps the scheduler and the model runner (the offline LLM of engine.py, with step25's overlap,
 and its tensor-parallel workers as its children) and runs nothing but a busy loop:

@@ -15,15 +15,15 @@ Everything else (requests, blocks, sampling) belongs to the engine around it.
 The layer's elementwise groups (residual add + RMSNorm, SiLU * up, q/k norm + RoPE) go through self.ops: the torch
 operators of TorchLayerOps, or one Triton kernel each (kernels/fused.py's TritonLayerOps), picked by the engine.
 
-step20: an int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
+An int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
 (token, KV head), write_kv quantises the new rows as it stores them (quantize_kv) and gather_kv restores them
 (dequantize_kv) for the torch path; the kernels dequantise inside their loops.
 
-step21: a forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
+A forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
 step of decodes (one new token per sequence) builds no tensor from host data, so its forward is the same kernels
 on the same buffers every time (cuda_graphs.py captures it).
 
-step22: tensor parallelism (parallel.py). With N ranks each rank's CausalLM holds its share of every weight (the
+Tensor parallelism (parallel.py). With N ranks each rank's CausalLM holds its share of every weight (the
 loader reads only those slices) and its config says so: heads, KV heads and the MLP's width divided by N. The
 forward is step21's with three additions, each the identity when N = 1: the embedding looks up only its rank's
 vocab rows and one all-reduce sums the ranks' lookups; o_proj and down_proj (row-parallel) give partial sums, each
@@ -233,7 +233,7 @@ def load_shard(files, rank: int, size: int, device: torch.device, dtype: torch.d
 
 
 class CausalLM:
-    """A Llama or a Qwen3: the same code, with q/k norms when config.qk_norm. step22: config and weights are this
+    """A Llama or a Qwen3: the same code, with q/k norms when config.qk_norm. Its config and weights are this
     rank's share (rank_config), tp its place in the group (parallel.py; rank 0 of 1 when not split)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None):
@@ -243,7 +243,7 @@ class CausalLM:
         self.kv_cache: KVCache | None = None  # bound by the model runner once the cache is allocated
         self.attention_backend = None  # attention.py's TorchAttention or TritonAttention, bound by the engine
         self.ops = TorchLayerOps()  # the elementwise groups: torch operators, or kernels/fused.py's (the engine picks)
-        # step21: RoPE's cos/sin for every position, computed once: a step indexes them by its positions (one
+        # RoPE's cos/sin for every position, computed once: a step indexes them by its positions (one
         # gather, nothing computed from host data), which a CUDA graph can replay. Equal to rope_cos_sin's per step.
         dtype, device = weights["model.norm.weight"].dtype, weights["model.norm.weight"].device
         self.rope_cos, self.rope_sin = rope_cos_sin(torch.arange(config.max_position_embeddings, device=device),

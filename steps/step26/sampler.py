@@ -5,7 +5,7 @@ is one tensor operation over the batch instead of one call per request. So is th
 number is a hash of its request's (seed, position), so a seeded request gets the same tokens alone or in any
 batch, with no random stream per request to draw from one at a time.
 
-step21: nothing here waits for the GPU. Which filters run is decided from the requests' parameters on the host
+Nothing here waits for the GPU. Which filters run is decided from the requests' parameters on the host
 (Python numbers), not from device tensors (a `bool(tensor.any())` on a GPU tensor stops the host until every
 queued kernel has run); the parameters travel in pinned memory without a wait; sample_batch returns the next
 tokens as a tensor on the device. The model runner reads them back once per step.

@@ -4,7 +4,7 @@ A Sequence is a request as the engine sees it: its tokens (prompt, then output),
 (status), how many of its tokens already have K/V in the cache (num_computed_tokens), and which cache blocks
 hold them (block_table, with the chained hash of each full block).
 
-step25: with async_scheduling a sequence's newest tokens may not be known to the host yet: the step that samples
+With async_scheduling a sequence's newest tokens may not be known to the host yet: the step that samples
 one has been launched, its result not read. token_ids and output_ids hold only the tokens the host has read;
 num_output_placeholders (vLLM's name) counts the tokens in flight (at most two: one in the step the engine is about
 to read, one in the step just launched), and num_tokens counts them too, so the scheduler and the block manager give
@@ -35,7 +35,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request's state from arrival to finish.
 
-    step21: eq=False. Two sequences are the same only if they are one object. A dataclass's default __eq__ compares
+    eq=False. Two sequences are the same only if they are one object. A dataclass's default __eq__ compares
     every field, and the scheduler's `running.remove(r)` (finish, preempt) calls it once per element before r: at
     256 running sequences, up to 255 field-by-field comparisons for each sequence that leaves."""
 
@@ -56,8 +56,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block of its tokens, computed
     # once, as the block fills (block_manager.hash_new_blocks), and kept for life: preemption does not drop them
     num_cached_blocks: int = 0  # how many blocks of block_table are registered in the prefix cache
-    suspect: bool = False  # step23: put back by a step that failed beside it; runs alone until it gets a token
-    num_output_placeholders: int = 0  # step25: its tokens sampled on the device and not read yet (not in token_ids)
+    suspect: bool = False  # put back by a step that failed beside it; runs alone until it gets a token
+    num_output_placeholders: int = 0  # its tokens sampled on the device and not read yet (not in token_ids)
 
     def __post_init__(self):
         # prompt then output in one list, grown by append_token: read every step, so never rebuilt
@@ -69,16 +69,16 @@ class Sequence:
 
     @property
     def num_known_outputs(self) -> int:
-        """step25: output tokens the host has read: all of output_ids (the tokens in flight are only counted)."""
+        """Output tokens the host has read: all of output_ids (the tokens in flight are only counted)."""
         return len(self.output_ids)
 
     @property
     def num_tokens(self) -> int:
-        """Its tokens as the scheduler and the block manager count them. step25: its placeholders too."""
+        """Its tokens as the scheduler and the block manager count them, its placeholders too."""
         return len(self.token_ids) + self.num_output_placeholders
 
     def partial_output(self) -> RequestOutput:
-        """step23: the request so far, while it goes on (finished=False): its tokens, and its text minus the last
+        """The request so far, while it goes on (finished=False): its tokens, and its text minus the last
         (longest stop string - 1) characters, which a stop string completed later could still cut; a text shorter
         than that shows nothing yet. So every partial text is the start of the final one, and a stream's texts only
         grow. Its output ids and logprobs are copies (what the request had then); its prompt ids are not copied each

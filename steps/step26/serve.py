@@ -1,6 +1,6 @@
-"""step24: an OpenAI-compatible HTTP server on top of step23's streaming engine (AsyncLLM).
+"""An OpenAI-compatible HTTP server on top of the streaming engine (async_llm.py's AsyncLLM).
 
-step26: the same server, whose AsyncLLM runs the engine in a core process of its own (engine_core.py): this process
+Its AsyncLLM runs the engine in a core process of its own (engine_core.py): this process
 keeps HTTP, JSON, the tokenizer and the detokenizer, and imports neither torch nor the engine (what it reports of
 the core, /stats, comes over the wire); the core keeps the scheduler and the model. A core that dies
 (killed, or its loop failed) ends every open stream with an error event, answers a request it was serving with 500,
@@ -244,7 +244,7 @@ class Server:
                                             "owned_by": "llm-steps", "max_model_len": self.engine.llm.max_model_len}]}
 
     async def stats(self) -> dict:
-        # step26: the core's state (wire.py's Stats, which it sends between two of its steps when asked: its
+        # the core's state (wire.py's Stats, which it sends between two of its steps when asked: its
         # counters, CPU seconds, torch threads, and the engine's counters under "engine"), and this process's own
         core = await self.engine.get_stats()
         return {**self.engine.snapshot(), **core, "process_cpu_s": time.process_time(),  # this process's CPU time
@@ -468,7 +468,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
                                      media_type="text/event-stream", headers=headers)
         try:
             out = await server.complete(stream, request.is_disconnected)
-        except EngineDeadError as e:  # step26: the core died while it served this request (later ones get 503)
+        except EngineDeadError as e:  # the core died while it served this request (later ones get 503)
             raise APIError(500, str(e), kind="server_error") from e
         if out is None or out.outputs[0].finish_reason == "abort":  # the client went away: nobody reads this
             raise APIError(499, "the client closed the request", kind="client_closed")
@@ -539,7 +539,7 @@ def main() -> None:
     args = parser.parse_args()
     if not 0 <= args.port < 65536:
         parser.error(f"argument --port: must be in 0..65535, got {args.port}")
-    # step26: SIGTERM ends the process as SIGINT does, with exit status 0: uvicorn stops on either, then raises the
+    # SIGTERM ends the process as SIGINT does, with exit status 0: uvicorn stops on either, then raises the
     # signal again to the handler it found, this one (whose default would kill the process, status -15); one that
     # arrives while the core starts ends the start the same way (the core is stopped at exit)
     signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -547,7 +547,7 @@ def main() -> None:
         engine = AsyncLLM(args.model, **engine_options(args))
     except ValueError as e:  # bad input: one `error:` line, exit status 2
         parser.error(str(e))
-    except EngineStartError as e:  # step26: the core process failed to start: its error on one line, exit status 1
+    except EngineStartError as e:  # the core process failed to start: its error on one line, exit status 1
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 ({engine.llm.backend})", flush=True)

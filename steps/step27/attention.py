@@ -13,11 +13,11 @@ Each object does two things, and is the only code that knows how its attention r
     forward(q, k_cache, v_cache, attn,  once per layer, called by the model once it has written the new tokens'
             k_scale, v_scale)           K/V into the cache: q [N, heads, head_dim] -> [N, heads * head_dim]
 
-step20: with an int8 KV cache the model also passes the scales (k_scale, v_scale [num_blocks, block_size,
+With an int8 KV cache the model also passes the scales (k_scale, v_scale [num_blocks, block_size,
 kv_heads] fp32; None for a cache in the model's dtype). TorchAttention dequantises after its gather; the kernels
 dequantise each tile they load.
 
-step21: TritonAttention.graph_metadata builds a decode step's metadata from static buffers (cuda_graphs.py), so
+TritonAttention.graph_metadata builds a decode step's metadata from static buffers (cuda_graphs.py), so
 the step can be captured in a CUDA graph and replayed.
 """
 from __future__ import annotations
@@ -154,7 +154,7 @@ class TritonAttention(TorchAttention):
         return out.reshape(-1, c.num_heads * c.head_dim)
 
 
-    # ---- step21: the metadata of a captured decode step --------------------------------------------------------
+    # ---- the metadata of a captured decode step ----------------------------------------------------------------
     def graph_num_splits(self, size: int, max_context: int) -> int:
         """Flash decoding's split count for a graph of `size` decode rows: fixed when the graph is captured, so
         chosen for the longest context the graph may meet (the model's length). A context shorter than that leaves
@@ -167,7 +167,7 @@ class TritonAttention(TorchAttention):
         """A step of `size` decodes as the kernels read it, from the static buffers of cuda_graphs.py's
         StaticDecodeInputs: the same tensors at the same addresses every step (a graph replays their addresses),
         only their contents change. Each decode is one tile of one token: tile i is sequence i, token 0.
-        step27: query_len tokens per row (a verify step, StaticVerifyInputs): the mixed kernel's tiles of those
+        query_len tokens per row (a verify step, StaticVerifyInputs): the mixed kernel's tiles of those
         rows, cut once here, as the eager path cuts them (the tile map is a constant of the graph)."""
         from .kernels.attention import tile_map, tile_rows
 

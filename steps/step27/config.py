@@ -2,7 +2,7 @@
 vLLM's name, and checks them all in one place, its construction, before anything loads: each bad option is a
 ValueError that names it. It also resolves what was left to the engine (None: auto): the device and dtype, the
 attention backend, async scheduling, and max_kv_tokens on the CPU. Last it finds the model (a name, a random shape
-or a folder) and reads its config.json, to check that tensor_parallel_size splits it. step27: speculative_config, a
+or a folder) and reads its config.json, to check that tensor_parallel_size splits it. speculative_config, a
 dict as vLLM takes it, becomes a SpeculativeConfig (speculative.py).
 
 The LLM builds its EngineConfig from its keyword arguments first, then builds itself from it; the build of a rank
@@ -25,7 +25,7 @@ from .model_runner import CPU_DEFAULT_KV_TOKENS
 from .parallel import check_tensor_parallel_size
 from .speculative import SpeculativeConfig
 
-# step27: verify steps of up to this many requests replay a graph (fewer if disable_by_batch_size says so); a
+# verify steps of up to this many requests replay a graph (fewer if disable_by_batch_size says so); a
 # larger batch's verify forward is compute, not launches, and runs eagerly
 VERIFY_GRAPH_MAX_SEQS = 32
 
@@ -38,7 +38,7 @@ def check_enforce_eager(enforce_eager) -> bool:
 
 
 def choose_async_scheduling(asked, device: torch.device) -> bool:
-    """step25: async_scheduling, True, False or None (on with CUDA, off elsewhere). With tensor parallelism too: rank
+    """async_scheduling: True, False or None (on with CUDA, off elsewhere). With tensor parallelism too: rank
     0 shares each step's sampled tokens with the workers on the devices (model_runner.py's share_tokens)."""
     if asked is not None and not isinstance(asked, bool):
         raise ValueError(f"async_scheduling must be True, False or None, got {asked!r}")
@@ -77,9 +77,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8"
     enforce_eager: bool = False  # True: no CUDA graphs
     tensor_parallel_size: int = 1  # ranks: this process and N - 1 workers
-    async_scheduling: bool | None = None  # step25: the overlapped order; None: on with cuda, off elsewhere
-    max_logprobs: int = 20  # step23: the most logprobs a request may ask for (at most the vocabulary)
-    # step27: n-gram drafts, {"method": "ngram", "num_speculative_tokens": k, ...}; after: a SpeculativeConfig or None
+    async_scheduling: bool | None = None  # the overlapped order; None: on with cuda, off elsewhere
+    max_logprobs: int = 20  # the most logprobs a request may ask for (at most the vocabulary)
+    # n-gram drafts, {"method": "ngram", "num_speculative_tokens": k, ...}; after: a SpeculativeConfig or None
     speculative_config: SpeculativeConfig | dict | None = None
     # found from `model` during the checks: its folder and its config.json
     model_dir: Path = field(init=False)
@@ -87,7 +87,7 @@ class EngineConfig:
 
     def __post_init__(self):
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
-        # step27: n-gram drafts, on one rank; a step that drafts is synchronous
+        # n-gram drafts, on one rank; a step that drafts is synchronous
         if not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None and self.tensor_parallel_size != 1:
@@ -118,7 +118,7 @@ class EngineConfig:
 
     @property
     def verify_graphs(self) -> tuple[int, int] | None:
-        """step27: the verify steps' CUDA graphs, (k + 1 tokens per row, the largest batch that drafts with a graph),
+        """The verify steps' CUDA graphs, (k + 1 tokens per row, the largest batch that drafts with a graph),
         for the batches that draft; None without speculation."""
         spec = self.speculative_config
         if spec is None:

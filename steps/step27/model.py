@@ -15,15 +15,15 @@ Everything else (requests, blocks, sampling) belongs to the engine around it.
 The layer's elementwise groups (residual add + RMSNorm, SiLU * up, q/k norm + RoPE) go through self.ops: the torch
 operators of TorchLayerOps, or one Triton kernel each (kernels/fused.py's TritonLayerOps), picked by the engine.
 
-step20: an int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
+An int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
 (token, KV head), write_kv quantises the new rows as it stores them (quantize_kv) and gather_kv restores them
 (dequantize_kv) for the torch path; the kernels dequantise inside their loops.
 
-step21: a forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
+A forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
 step of decodes (one new token per sequence) builds no tensor from host data, so its forward is the same kernels
 on the same buffers every time (cuda_graphs.py captures it).
 
-step22: tensor parallelism (parallel.py). With N ranks each rank's CausalLM holds its share of every weight (the
+Tensor parallelism (parallel.py). With N ranks each rank's CausalLM holds its share of every weight (the
 loader reads only those slices) and its config says so: heads, KV heads and the MLP's width divided by N. The
 forward is step21's with three additions, each the identity when N = 1: the embedding looks up only its rank's
 vocab rows and one all-reduce sums the ranks' lookups; o_proj and down_proj (row-parallel) give partial sums, each
@@ -233,7 +233,7 @@ def load_shard(files, rank: int, size: int, device: torch.device, dtype: torch.d
 
 
 class CausalLM:
-    """A Llama or a Qwen3: the same code, with q/k norms when config.qk_norm. step22: config and weights are this
+    """A Llama or a Qwen3: the same code, with q/k norms when config.qk_norm. Its config and weights are this
     rank's share (rank_config), tp its place in the group (parallel.py; rank 0 of 1 when not split)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None):
@@ -243,7 +243,7 @@ class CausalLM:
         self.kv_cache: KVCache | None = None  # bound by the model runner once the cache is allocated
         self.attention_backend = None  # attention.py's TorchAttention or TritonAttention, bound by the engine
         self.ops = TorchLayerOps()  # the elementwise groups: torch operators, or kernels/fused.py's (the engine picks)
-        # step21: RoPE's cos/sin for every position, computed once: a step indexes them by its positions (one
+        # RoPE's cos/sin for every position, computed once: a step indexes them by its positions (one
         # gather, nothing computed from host data), which a CUDA graph can replay. Equal to rope_cos_sin's per step.
         dtype, device = weights["model.norm.weight"].dtype, weights["model.norm.weight"].device
         self.rope_cos, self.rope_sin = rope_cos_sin(torch.arange(config.max_position_embeddings, device=device),
@@ -297,7 +297,7 @@ class CausalLM:
         input_ids, positions: [N], the new tokens of S sequences side by side (a prefill chunk contributes its
         T tokens, a decode one) and their positions. attn: where each sequence's tokens are in the batch and
         where its K/V go and come from. -> [S, vocab], from each sequence's last token only.
-        step27: logits_rows, the flat indices of the tokens whose logits are wanted (a speculative step: each of a
+        logits_rows, the flat indices of the tokens whose logits are wanted (a speculative step: each of a
         request's drafts and the token before them; a list, or a device tensor: a captured verify step's) ->
         [len(logits_rows), vocab], in that order.
         """
@@ -314,7 +314,7 @@ class CausalLM:
             out = self.mlp(h, layer)
             if layer + 1 < c.num_layers:  # x += MLP, then the next layer's input norm
                 h, x = ops.add_rms_norm(out, x, self.w[f"model.layers.{layer + 1}.input_layernorm.weight"], eps)
-        if logits_rows is not None:  # step27: the rows asked for
+        if logits_rows is not None:  # the rows asked for
             rows = logits_rows if isinstance(logits_rows, torch.Tensor) else to_device(torch.tensor(logits_rows), x.device)
             out, x = out[rows], x[rows]
         elif x.shape[0] != attn.num_seqs:  # some sequence has several new tokens: keep each one's last
@@ -467,7 +467,7 @@ class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto"):
         quantized = check_kv_cache_dtype(kv_cache_dtype) == "int8"
-        # step27: zeros, not empty. A verify graph's padding tokens attend past their request's tokens (cuda_graphs.py's
+        # zeros, not empty. A verify graph's padding tokens attend past their request's tokens (cuda_graphs.py's
         # StaticVerifyInputs), and the kernel loads those keys and values for the real tokens of the same tile too,
         # weighted 0: a NaN in memory never written would make 0 x NaN = NaN there. Written memory is finite.
         self.data = torch.zeros((2, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim),

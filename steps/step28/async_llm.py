@@ -417,7 +417,7 @@ class AsyncLLM:
                     req.output_ids.append(token)
                     if req.logprobs is not None:
                         req.logprobs.append(d.logprobs[i])
-                    req.cumulative_logprob = d.cumulative_logprobs[i]  # step27: after this token, none past a stop
+                    req.cumulative_logprob = d.cumulative_logprobs[i]  # after this token, none past a stop
                     req.metrics.token_times.append(now)
                     req.metrics.first_token_time = req.metrics.first_token_time or now
                     req.finish = check_stop(req.params, token, len(req.output_ids), eos, req.detokenizer)

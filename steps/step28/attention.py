@@ -13,11 +13,11 @@ Each object does two things, and is the only code that knows how its attention r
     forward(q, k_cache, v_cache, attn,  once per layer, called by the model once it has written the new tokens'
             k_scale, v_scale)           K/V into the cache: q [N, heads, head_dim] -> [N, heads * head_dim]
 
-step20: with an int8 KV cache the model also passes the scales (k_scale, v_scale [num_blocks, block_size,
+With an int8 KV cache the model also passes the scales (k_scale, v_scale [num_blocks, block_size,
 kv_heads] fp32; None for a cache in the model's dtype). TorchAttention dequantises after its gather; the kernels
 dequantise each tile they load.
 
-step21: TritonAttention.graph_metadata builds a decode step's metadata from static buffers (cuda_graphs.py), so
+TritonAttention.graph_metadata builds a decode step's metadata from static buffers (cuda_graphs.py), so
 the step can be captured in a CUDA graph and replayed.
 """
 from __future__ import annotations
@@ -85,11 +85,11 @@ class TritonAttention(TorchAttention):
     """The kernels, no Python loop: every row of a step in one launch per layer (kernels/attention.py's
     mixed_attention: a decode is a row of one token, a prefill chunk a row of n, each causal within itself over
     its paged context). One exception: a step of decodes only, whose contexts are long enough that flash
-    decoding's split rule cuts them (kernels/decode.py), runs flash decoding: its split and merge, one launch since
-    step28. `launches` counts the attention kernels launched, every layer of every step."""
+    decoding's split rule cuts them (kernels/decode.py), runs flash decoding: its split and merge in one launch.
+    `launches` counts the attention kernels launched, every layer of every step."""
 
     name = "triton"
-    merge_in_split = True  # step28: flash decoding's merge inside its split kernel (False: step27's two launches)
+    merge_in_split = True  # flash decoding's merge inside its split kernel (False: two launches, split then merge)
 
     def __init__(self, config, device: torch.device):
         super().__init__(config, device)
@@ -102,13 +102,13 @@ class TritonAttention(TorchAttention):
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self.split_rule = {"num_sms": sms, "min_tokens_per_split": 256}
         self.launches = 0
-        self.counters = None  # step28: flash decoding's arrival counters, made at the first split step
+        self.counters = None  # flash decoding's arrival counters, made at the first split step
         self.retired_counters = []  # outgrown counters, kept alive: a graph captured earlier still points at them
-        from .kernels.gemv import pdl_supported  # step28: launch it as a programmatic dependent where it can
+        from .kernels.gemv import pdl_supported  # launch it as a programmatic dependent where it can
         self.pdl = pdl_supported(device)
 
     def decode_counters(self, num_seqs: int) -> torch.Tensor:
-        """step28: the counters of flash decoding's one-launch merge (kernels/decode.py), one per (sequence, KV
+        """The counters of flash decoding's one-launch merge (kernels/decode.py), one per (sequence, KV
         head), kept for every step: each launch leaves them at 0. Made for 1,024 sequences (32 KiB with 8 KV heads)
         and grown if a step has more."""
         from .kernels.decode import decode_counters
@@ -157,7 +157,7 @@ class TritonAttention(TorchAttention):
         from .kernels.decode import flash_decode
 
         c = self.config
-        if attn.decode is not None:  # flash decoding: step28, the split and the merge in one launch
+        if attn.decode is not None:  # flash decoding: the split and the merge in one launch
             d = attn.decode
             one = self.merge_in_split
             self.launches += 1 if one else 2
@@ -173,7 +173,7 @@ class TritonAttention(TorchAttention):
         return out.reshape(-1, c.num_heads * c.head_dim)
 
 
-    # ---- step21: the metadata of a captured decode step --------------------------------------------------------
+    # ---- the metadata of a captured decode step ----------------------------------------------------------------
     def graph_num_splits(self, size: int, max_context: int) -> int:
         """Flash decoding's split count for a graph of `size` decode rows: fixed when the graph is captured, so
         chosen for the longest context the graph may meet (the model's length). A context shorter than that leaves
@@ -186,7 +186,7 @@ class TritonAttention(TorchAttention):
         """A step of `size` decodes as the kernels read it, from the static buffers of cuda_graphs.py's
         StaticDecodeInputs: the same tensors at the same addresses every step (a graph replays their addresses),
         only their contents change. Each decode is one tile of one token: tile i is sequence i, token 0.
-        step27: query_len tokens per row (a verify step, StaticVerifyInputs): the mixed kernel's tiles of those
+        query_len tokens per row (a verify step, StaticVerifyInputs): the mixed kernel's tiles of those
         rows, cut once here, as the eager path cuts them (the tile map is a constant of the graph)."""
         from .kernels.attention import tile_map, tile_rows
 

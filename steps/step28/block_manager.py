@@ -17,10 +17,10 @@ cached are always taken before any cached block is evicted.
 Each block's hash is computed once, when the block fills, and kept on the sequence (sequence.block_hashes):
 admission looks a waiting prompt up with the hashes it already has, however often it is asked.
 
-step18: on_release, when given, is told of every request whose table release() gives back (finished, preempted or
+on_release, when given, is told of every request whose table release() gives back (finished, preempted or
 aborted): the model runner frees the request's block-table row (model_runner.py's BlockTables).
 
-step25: with async_scheduling a request's newest tokens may be placeholders (sampled on the device, not read yet:
+With async_scheduling a request's newest tokens may be placeholders (sampled on the device, not read yet:
 sequence.py's num_output_placeholders). num_tokens counts them, so each has its slot, but token_ids holds only the
 tokens the host knows, and a block is hashed only once every token in it is known (hash_new_blocks reads
 token_ids): no hash covers a placeholder; the hashes of a block that fills with one are made at a later step, once
@@ -64,7 +64,7 @@ class BlockManager:
         self.stats = {"lookups": 0, "hits": 0, "tokens_saved": 0}  # lookups and hits count blocks
         self.num_hashed = 0  # block hashes computed (each block of a request once)
         self.on_release = on_release  # called with each request release() empties (None: nobody listens)
-        self.on_trim = on_trim  # step27: called with each request whose table trim() cut back
+        self.on_trim = on_trim  # called with each request whose table trim() cut back
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil(num_tokens / block_size)
@@ -78,7 +78,7 @@ class BlockManager:
         return needed <= self.num_free_blocks
 
     def can_allocate_empty(self, request, num_tokens: int) -> bool:
-        """step27: could request's block table grow to num_tokens tokens with blocks that hold nothing cached? (A
+        """Could request's block table grow to num_tokens tokens with blocks that hold nothing cached? (A
         draft's block must not evict the prefix cache.) Taking blocks takes the empty ones first."""
         return self.blocks_for(num_tokens) - len(request.block_table) <= len(self.empty)
 
@@ -116,7 +116,7 @@ class BlockManager:
     def hash_new_blocks(self, request) -> None:
         """Hash the request's full blocks that have no hash yet: each block once in the request's life."""
         tokens, size, hashes = request.token_ids, self.block_size, request.block_hashes
-        for i in range(len(hashes), len(tokens) // size):  # step25: token_ids, the known tokens (no placeholder)
+        for i in range(len(hashes), len(tokens) // size):  # token_ids: the known tokens (no placeholder)
             hashes.append(block_hash(hashes[-1] if hashes else None, tuple(tokens[i * size:(i + 1) * size])))
             self.num_hashed += 1
 
@@ -176,7 +176,7 @@ class BlockManager:
             self.on_release(request)
 
     def trim(self, request, num_tokens: int) -> int:
-        """step27: give back the blocks of request's table past the first blocks_for(num_tokens): blocks taken for
+        """Give back the blocks of request's table past the first blocks_for(num_tokens): blocks taken for
         drafts that were rejected. They were never full of computed tokens, so never cached: each goes back empty.
         -> how many blocks went back."""
         keep = self.blocks_for(num_tokens)

@@ -37,7 +37,7 @@ A step that fails (step23's rule, _fail_step) fails one request at most. A reque
 and its caller gets the error. The requests of a step of several are put back, preempted (their tokens kept, their
 KV recomputed), each a suspect that the scheduler runs alone until it gets a token, in synchronous steps (no step
 in flight): only a request whose own inputs fail a step fails, and the others get the tokens they would have had.
-The step raises its error all the same (its caller may know better: step26's core dies of a device error).
+The step raises its error all the same (its caller may know better: a core process dies of a device error).
 
 Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
 the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto", or "int8": K and V as int8 with an
@@ -71,7 +71,7 @@ from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams
 
 from .block_manager import BlockManager
 from .config import EngineConfig, check_enforce_eager, choose_async_scheduling, choose_attention_backend  # noqa: F401
-from .config import VERIFY_GRAPH_MAX_SEQS  # noqa: F401  (step27: the verify graphs' largest batch)
+from .config import VERIFY_GRAPH_MAX_SEQS  # noqa: F401  (the verify graphs' largest batch)
 from .detokenizer import IncrementalDetokenizer
 from .model import KV_CACHE_DTYPES, ModelConfig, check_kv_cache_dtype  # noqa: F401
 from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks, to_device  # noqa: F401
@@ -87,7 +87,7 @@ from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_para
 def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict, tp: TensorParallel) -> str:
     """The engine in one line (llm.backend, which run.py prints): what the config asked for and what the build found
     (the KV pool's blocks and dtype and what sized it, the CUDA graphs captured or why none, the tensor split;
-    step27: the drafts, and the verify steps' graphs)."""
+    the drafts, and the verify steps' graphs)."""
     if cuda_graphs["enabled"]:
         sizes = cuda_graphs["sizes"]
         graphs = (f"CUDA graphs: {len(sizes)} captured (decode batches of {', '.join(map(str, sizes[:5]))}"
@@ -103,7 +103,7 @@ def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict
                   f"{'; one stream on the CPU: the order, no overlap' if config.device.type != 'cuda' else ''})"
                   if config.async_scheduling else
                   "scheduling: sync (each step's tokens read before the next step is scheduled)")
-    spec = config.speculative_config  # step27
+    spec = config.speculative_config
     verify_sizes = cuda_graphs.get("verify_sizes")
     verify_graphs = (f"verify steps of up to {verify_sizes[-1]} requests replayed from {len(verify_sizes)} graphs "
                      f"of {cuda_graphs['verify_query_len']} tokens per row, larger ones eager"
@@ -112,7 +112,7 @@ def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict
                    f"(lookup {spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens"
                    f"{f', off from {spec.disable_by_batch_size} running requests' if spec.disable_by_batch_size else ''}"
                    f"), {verify_graphs}" if spec is not None else "speculative decoding: off")
-    gemv_devices = getattr(model.ops, "gemv_devices", ())  # step28: where few rows run the GEMV kernel
+    gemv_devices = getattr(model.ops, "gemv_devices", ())  # where few rows run the GEMV kernel
     max_rows = model.ops.gemv_max_rows if gemv_devices else 0
     pdl = ", launched as programmatic dependents (PDL)" if model.ops.name == "triton" and model.ops.uses_pdl(
         config.device) else ""
@@ -145,9 +145,9 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling, max_logprobs=max_logprobs,
             speculative_config=speculative_config)
         self.model_name, self.device, self.dtype = config.model, config.device, config.dtype
-        self.async_scheduling = config.async_scheduling  # step25: read at every step (run.py switches it)
-        self.in_flight: SimpleNamespace | None = None  # step25: the step launched and not read yet
-        # step27: n-gram drafts (config.py parsed them); a step that drafts is synchronous
+        self.async_scheduling = config.async_scheduling  # read at every step (run.py switches it)
+        self.in_flight: SimpleNamespace | None = None  # the step launched and not read yet
+        # n-gram drafts (config.py parsed them); a step that drafts is synchronous
         self.speculative = config.speculative_config
         self.proposer = NgramProposer(self.speculative) if self.speculative is not None else None
         self.tokenizer = Tokenizer(config.model_dir)
@@ -172,21 +172,21 @@ class LLM:
                 raise failure from e
             raise
         self.runner.workers = self.workers  # rank 0 sends each step to the workers before running it
-        # step25: with workers, rank 0 sends them each step's sampled tokens on the devices (placeholders' inputs)
+        # with workers, rank 0 sends them each step's sampled tokens on the devices (placeholders' inputs)
         self.runner.share_tokens = self.async_scheduling and self.workers is not None
         self.model, self.stats, self.timers = self.runner.model, self.runner.stats, self.runner.timers
-        self.stats["requeued_after_failure"] = 0  # step23: requests put back by a step that failed beside them
-        # step25: tokens computed for requests that had finished (thrown away); launches that began while the step
+        self.stats["requeued_after_failure"] = 0  # requests put back by a step that failed beside them
+        # tokens computed for requests that had finished (thrown away); launches that began while the step
         # before still ran on the device (CUDA: its results' event not reached yet)
         self.stats.update(discarded_tokens=0, overlapped_launches=0)
-        # step27: drafts proposed and accepted; requests verified (a chunk of drafts each) and the tokens they
+        # drafts proposed and accepted; requests verified (a chunk of drafts each) and the tokens they
         # emitted; runs a stop cut short; steps with drafts; steps that drafted nothing because of
         # disable_by_batch_size, or because no request could get drafts (they overlap); every emitted token
         self.stats.update(spec_proposed=0, spec_accepted=0, spec_verified=0, spec_emitted=0, spec_cut=0,
                           spec_steps=0, spec_disabled_steps=0, spec_undraftable_steps=0,
                           emitted_tokens=0)
         self.max_model_len = config.max_model_len
-        self.max_logprobs = config.max_logprobs  # step23: a request's most logprobs
+        self.max_logprobs = config.max_logprobs  # a request's most logprobs
         self.backend = describe_engine(config, self.model, self.memory, self.cuda_graphs, self.tp)
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
         # a request's released blocks free its block-table row in the runner
@@ -204,7 +204,7 @@ class LLM:
         if self._finalizer is not None:
             self._finalizer()
         self.is_shut_down = True
-        self.in_flight = None  # step25: its results are not read (runner.release waits for the device first)
+        self.in_flight = None  # its results are not read (runner.release waits for the device first)
         self.kv_cache = None  # before the runner hands the memory back: no reference to the cache may be left
         if getattr(self, "runner", None) is not None:
             self.runner.release()
@@ -244,7 +244,7 @@ class LLM:
         return list(mine.values())
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue one request (a string or token ids); it joins the running batch at a coming step(). step23:
+        """Queue one request (a string or token ids); it joins the running batch at a coming step().
         request_id names it (any string no queued or running request has; None: the engine numbers it)."""
         text, ids, sp = self.check_request(prompt, sampling_params)
         return self._add(text, ids, sp, request_id)
@@ -280,7 +280,7 @@ class LLM:
         return request_id
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None  # step25: a step's results to read
+        return self.scheduler.has_unfinished() or self.in_flight is not None  # a step's results to read
 
     def abort_request(self, request_id: str) -> Sequence | None:
         """Drop a waiting or running request: it leaves the queues, releases its KV memory and is never returned.
@@ -294,7 +294,7 @@ class LLM:
         """One iteration: every running request computes the tokens the scheduler gave it (one for a decode, a
         chunk of its prompt otherwise), all in one forward within the token budget. Returns the requests that finished in this iteration,
         and any that finished earlier without being handed out (while another caller's generate() ran).
-        step23: partial=True also returns each request that got a token and goes on (finished=False, its text so
+        partial=True also returns each request that got a token and goes on (finished=False, its text so
         far). An idle engine returns []."""
         self._check_running()
         handed_out, self.finished_outputs = self.finished_outputs, []
@@ -303,9 +303,9 @@ class LLM:
     def _step(self, partial: bool = False) -> list[RequestOutput]:
         drafting = self.speculative is not None and self._drafting()
         if drafting and self.async_scheduling and not self._may_draft():
-            drafting = False  # step27: no request can get drafts: the step runs overlapped, as step26's
+            drafting = False  # no request can get drafts: the step runs overlapped, as a step without drafts does
             self.stats["spec_undraftable_steps"] += 1
-        if drafting and self.in_flight is not None:  # step27: drafts need every token read: read the step in flight
+        if drafting and self.in_flight is not None:  # drafts need every token read: read the step in flight
             step_n, self.in_flight = self.in_flight, None
             try:
                 return self._read_step(step_n, partial)
@@ -326,12 +326,12 @@ class LLM:
             self.stats["decode_steps"] += bool(decodes)
             self.stats["decode_rows"] += decodes
             self.stats["prefill_chunks"] += len(work) - decodes
-        spec = self._propose(work) if drafting else {}  # step27: {work index: drafts}
+        spec = self._propose(work) if drafting else {}  # {work index: drafts}
         if spec:
             work = [(seq, n + len(spec[i])) if i in spec else (seq, n) for i, (seq, n) in enumerate(work)]
         try:
             logits_rows, first_row = None, list(range(len(work)))  # the logits' first row of each sequence
-            if spec:  # step27: a drafting sequence's logits at its newest token and at every draft; one row else
+            if spec:  # a drafting sequence's logits at its newest token and at every draft; one row else
                 logits_rows, first_row, start = [], [], 0
                 for i, (seq, n) in enumerate(work):
                     first_row.append(len(logits_rows))
@@ -365,15 +365,15 @@ class LLM:
                 self.scheduler.finish(seq)  # its blocks are released: free again, or evictable if cached
         with timer("detokenize"):
             outputs = [seq.to_output() for seq in finished]
-            if partial:  # the requests that got a token (or several: step27) and go on
+            if partial:  # the requests that got a token (or several: a verify step) and go on
                 outputs += [seq.partial_output() for seq in sampled + [scheduled[i] for i in spec]
                             if seq.finish is None]
             return outputs
 
-    # ---- step27: speculative decoding -------------------------------------------------------------------------
+    # ---- speculative decoding ---------------------------------------------------------------------------------
     def _drafting(self) -> bool:
         """Does this step draft? Not when at least disable_by_batch_size requests are in the engine (running or
-        waiting; speculative.DISABLE_BY_BATCH_SIZE unless the config says): then the step runs as step26's,
+        waiting; speculative.DISABLE_BY_BATCH_SIZE unless the config says): then the step runs with no drafts,
         overlapped if async_scheduling is on. Always, when the config sets it to None."""
         limit = self.speculative.disable_by_batch_size
         if limit is None or len(self.scheduler.running) + len(self.scheduler.waiting) < limit:
@@ -447,18 +447,18 @@ class LLM:
             self.scheduler.postprocess_verified([(seq, len(v.tokens)) for seq, v in zip(seqs, verdicts)])
 
     def _fail_step(self, seqs: list[Sequence]) -> None:
-        """step23: a step raised, and left these sequences half-updated. One that ran alone failed on its own inputs:
+        """A step raised, and left these sequences half-updated. One that ran alone failed on its own inputs:
         it is dropped (it leaves the queues, its blocks are freed) and its caller gets the error. Beside others, which
         one failed the step is not known: each is put back (scheduler.requeue: preempted, its tokens kept and its KV
         recomputed, so the same tokens follow) and runs alone until it gets a token, where a failure is its own. A
-        sequence no longer queued or running is left alone. step25: a suspect runs in synchronous steps (_step)."""
+        sequence no longer queued or running is left alone. A suspect runs in synchronous steps (_step)."""
         live = [seq for seq in dict.fromkeys(seqs) if self.scheduler.requests.get(seq.request_id) is seq]
         if len(live) == 1:
             self.scheduler.finish(live[0])
             return
         for seq in live:
-            seq.num_output_placeholders = 0  # step25: its tokens in flight are never read
-            seq.token_ids = seq.prompt_ids + seq.output_ids  # step27: no draft of a verify step that failed stays
+            seq.num_output_placeholders = 0  # its tokens in flight are never read
+            seq.token_ids = seq.prompt_ids + seq.output_ids  # no draft of a verify step that failed stays
             self.scheduler.requeue(seq)
         self.stats["requeued_after_failure"] += len(live)
 
@@ -468,8 +468,8 @@ class LLM:
 
     def _finish_at(self, r: Sequence, last: int, num_outputs: int) -> Finish | None:
         """-> a Finish once the request must end at its newest token, else None: output.check_stop on its tokens
-        and on the text its detokenizer grows (stop strings). step25: last is its newest token, its num_outputs-th
-        (num_outputs: len(r.output_ids)). step26: the core's LLM checks its tokens only (engine_core._CoreLLM)."""
+        and on the text its detokenizer grows (stop strings). last is its newest token, its num_outputs-th
+        (num_outputs: len(r.output_ids)). The core's LLM checks its tokens only (engine_core._CoreLLM)."""
         return check_stop(r.params, last, num_outputs, self.tokenizer.eos_token_ids, r.detokenizer)
 
     def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -479,7 +479,7 @@ class LLM:
         self._record_tokens(seqs, next_ids, chosen, tops)
 
     def _record_tokens(self, seqs: list[Sequence], next_ids, chosen, tops, read_late: bool = False) -> None:
-        """Append each sequence's new token, check which sequences must stop. step25: read_late, the tokens of a
+        """Append each sequence's new token, check which sequences must stop. read_late: the tokens of a
         step read one step late (async): each was one of its sequence's placeholders, and the count drops. A
         sequence that stops drops the placeholders behind its end (a step launched before the end was known)."""
         with self.timers.phase("sample"):
@@ -494,7 +494,7 @@ class LLM:
                     seq.num_output_placeholders -= 1
                 seq.metrics.token_times.append(now)
                 seq.metrics.first_token_time = seq.metrics.first_token_time or now
-            if self.scheduler.num_suspects:  # step23: a suspect that got a token (alone) runs with the others again
+            if self.scheduler.num_suspects:  # a suspect that got a token (alone) runs with the others again
                 for seq in seqs:
                     self.scheduler.clear_suspect(seq)
             self.stats["emitted_tokens"] += len(seqs)
@@ -505,7 +505,7 @@ class LLM:
                     seq.num_output_placeholders = 0  # the tokens launched after its end are thrown away when read
                     seq.metrics.finished_time = now
 
-    # ---- step25: the overlapped loop ------------------------------------------------------------------------
+    # ---- the overlapped loop --------------------------------------------------------------------------------
     def _step_async(self, partial: bool) -> list[RequestOutput]:
         """One step of the overlapped loop: (1) schedule step N + 1 and launch its forward and its sampling, reading
         nothing back; (2) only then read step N's tokens and finish what they finish (_read_step); (3) count step

@@ -5,28 +5,28 @@ sequences into the tensors the model reads (input ids, positions, the slot mappi
 that the model's attention backend builds: attention.py), runs the forward, and samples the next tokens. The
 scheduler and the block manager never touch a tensor; the model never sees a sequence.
 
-step18: the block tables live in BlockTables, one persistent row per running sequence (max_num_seqs rows, as wide
+The block tables live in BlockTables, one persistent row per running sequence (max_num_seqs rows, as wide
 as the widest table can be: max_table_blocks). A step writes into the rows only the blocks appended since the
 sequence's last step, and reads the step's block tables and slot mapping from the rows; the block manager tells
 the rows when a sequence's blocks are released (its row is then free).
 
-step20: the cache may be int8 (kv_cache_dtype="int8"), and its size counts the scales: kv_bytes_per_token.
+The cache may be int8 (kv_cache_dtype="int8"), and its size counts the scales: kv_bytes_per_token.
 
-step21: CUDA graphs (cuda_graphs.py). After the cache is allocated the runner captures the decode forward once per
+CUDA graphs (cuda_graphs.py). After the cache is allocated the runner captures the decode forward once per
 batch-size bucket (capture_graphs); a step of decodes only is then filled into static buffers and replayed, every
 other step runs eagerly as before. The cache has one block more than the block manager hands out: the scratch
 block padding rows write to. The memory the graphs hold is measured before the pool is sized (one trial capture of
 the largest bucket) and left out of the pool. Sampling stays on the device; the step's one wait for the GPU is
 the copy of the sampled tokens (and their logprobs) back to the host (read_back).
 
-step22: tensor parallelism (parallel.py). Every rank has a model runner of its own, with its shard of the model and
+Tensor parallelism (parallel.py). Every rank has a model runner of its own, with its shard of the model and
 its KV heads' cache; rank 0's is the engine's, and before each step it hands the step to the workers
 (parallel.py's Workers.start_step: the inputs broadcast), which run the same execute on them. On CUDA the ranks
 agree on the pool's size (the smallest any rank can hold), so a block id means the same slots on every rank. Rank 0
 decides each sequence's block-table row and its new blocks (BlockTables.changes) and sends them with the step; every
 rank writes them into its own rows, so every rank's rows hold the same tables.
 
-step25: overlap scheduling (the engine's async_scheduling). The engine launches step N + 1 before it reads step N's
+Overlap scheduling (the engine's async_scheduling). The engine launches step N + 1 before it reads step N's
 sampled tokens, so a sequence's newest input token may be a placeholder: sampled, not read by the host, not in its
 token_ids (sequence.py's num_output_placeholders). The device knows it: after sampling, each sampled token is
 written into last_token, one entry per block-table row (the row of the sequence it was sampled for). The engine
@@ -69,7 +69,7 @@ def kv_pool_blocks(total_bytes: int, gpu_memory_utilization: float, used_bytes: 
 
 
 class Verdict(NamedTuple):
-    """step27: what one request's verify emits, in order: its accepted drafts, then one token of the target's."""
+    """What one request's verify emits, in order: its accepted drafts, then one token of the target's."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -141,7 +141,7 @@ class BlockTables:
             self.free_rows.append(row)
 
     def trim(self, request) -> None:
-        """step27: request's table was cut back (block_manager.trim, after rejected drafts): its row holds no more
+        """The request's table was cut back (block_manager.trim, after rejected drafts): its row holds no more
         than the table now, so the blocks it gets next are written from there."""
         row = self.row_of.get(request.request_id)
         if row is not None:
@@ -174,25 +174,25 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype  # "auto" (the model's dtype) or "int8" (model.py's KVCache)
         self.timers = timers  # the engine's phase timers: "prepare inputs", "forward" and "sample" are ours
         self.stats = stats  # the engine's counters: we count model forwards
-        stats.setdefault("overlapped_launches", 0)  # step25: launches made before the newest results were reached
+        stats.setdefault("overlapped_launches", 0)  # launches made before the newest results were reached
         self.kv_cache: KVCache | None = None
         self.max_num_seqs = max_num_seqs  # the most sequences a step can hold: one block-table row each
         self.block_tables: BlockTables | None = None  # set with the cache (its width depends on the pool)
         self.use_graphs = use_graphs  # graphs: decided by the engine (CUDA only)
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
-        self.verify_graphs: VerifyGraphs | None = None  # step27: set by capture_graphs when speculation is on
-        # step27: (tokens per row: k + 1, the largest batch that drafts) of the verify graphs; None: no speculation
+        self.verify_graphs: VerifyGraphs | None = None  # set by capture_graphs when speculation is on
+        # (tokens per row: k + 1, the largest batch that drafts) of the verify graphs; None: no speculation
         self.verify_shape = None if verify is None else (verify[0], min(verify[1], max_num_seqs))
         self.scratch_block: int | None = None  # the cache block no sequence owns (padding rows write there)
         # the draw as one kernel (kernels/sampling.py) where the kernels run: CUDA, the triton backend's layer ops
         self.fused_sampler = (triton is not None and device.type == "cuda"
                               and getattr(getattr(model, "ops", None), "name", None) == "triton")
         self.draws = {"fused": 0, "torch": 0}  # sampling steps by path
-        self.results_event = None  # step25: the CUDA event behind the newest results' copies to the host (start_read_back)
+        self.results_event = None  # the CUDA event behind the newest results' copies to the host (start_read_back)
         self.workers = workers  # rank 0 of a tensor-parallel group: parallel.py's Workers (None: alone, or a worker)
-        # step25: [max_num_seqs] int64, the newest token sampled for each block-table row, written on the device
+        # [max_num_seqs] int64, the newest token sampled for each block-table row, written on the device
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        # step25, tensor parallel: rank 0 broadcasts last_token to the workers after each step that samples, so
+        # tensor parallel: rank 0 broadcasts last_token to the workers after each step that samples, so
         # each rank fills its placeholders' input ids from its own copy (set by the engine; a worker is told per step)
         self.share_tokens = False
 
@@ -251,7 +251,7 @@ class ModelRunner:
         return min(-(-self.model.config.max_position_embeddings // block_size), self.kv_cache.data.shape[2])
 
     def capture_graphs(self, block_size: int) -> dict:
-        """Record the decode forward once per bucket (cuda_graphs.py), on the allocated cache. step27: with
+        """Record the decode forward once per bucket (cuda_graphs.py), on the allocated cache. With
         speculation (self.verify_shape), the verify forward's graphs too, in the same pool. -> what was done."""
         import time
 
@@ -279,7 +279,7 @@ class ModelRunner:
                              self.model.config.max_position_embeddings, sizes=[self.max_num_seqs])
         probe.capture()
         pool = probe.pool_bytes
-        if self.verify_shape is not None:  # step27: the verify graphs' largest, in the same pool
+        if self.verify_shape is not None:  # the verify graphs' largest, in the same pool
             query_len, max_seqs = self.verify_shape
             verify = VerifyGraphs(self.model, self.device, max_seqs, query_len, block_size, 0,
                                   -(-query_len // block_size), pool=probe.pool)
@@ -318,7 +318,7 @@ class ModelRunner:
         """Every scheduled (sequence, number of new tokens) -> one flat batch: input ids and positions [N], and
         the attention metadata (built by the model's attention backend, attention.py). A decode is a sequence
         with one new token; a prefill chunk has n. changes: the work's block-table changes (None: found here).
-        step25: placeholders, the indices in work of the sequences whose last new token is a placeholder."""
+        placeholders: the indices in work of the sequences whose last new token is a placeholder."""
         block_size = block_size or self.kv_cache.data.shape[3]
         tables = self.block_tables
         rows = tables.write(tables.changes(work) if changes is None else changes)  # each row holds its whole table
@@ -326,7 +326,7 @@ class ModelRunner:
         ids, positions, fill = [], [], []
         for i, ((seq, n), row) in enumerate(zip(work, rows)):
             start = seq.num_computed_tokens
-            if i in late:  # step25: its last input is not in token_ids: 0 here, then last_token's, on the device
+            if i in late:  # its last input is not in token_ids: 0 here, then last_token's, on the device
                 ids += seq.token_ids[start:start + n - 1]
                 fill.append((len(ids), row))
                 ids.append(0)
@@ -342,7 +342,7 @@ class ModelRunner:
         return input_ids, to_device(positions, self.device), metadata
 
     def fill_placeholders(self, input_ids: torch.Tensor, fill: list[tuple[int, int]]) -> None:
-        """step25: the input ids the host does not know yet, each a (flat index into input_ids, its sequence's
+        """The input ids the host does not know yet, each a (flat index into input_ids, its sequence's
         block-table row): input_ids[index] = last_token[row], on the device, queued behind the step before's sampling
         (which wrote last_token). One small copy to the device (pinned, no wait), one gather and one scatter."""
         index = to_device(torch.tensor(fill).T.contiguous(), self.device)  # [2, P]: flat indices, rows
@@ -360,12 +360,12 @@ class ModelRunner:
         -> the logits of each sequence's last new token, in the order of the work: [S, vocab].
         Tensor parallel: rank 0 first sends the work to the workers, with its block-table changes (each sequence's
         row and the blocks it got since its last step), and the workers run this same method on them.
-        step25: placeholders, the indices in work of the sequences whose last new token is a placeholder (sampled
+        placeholders: the indices in work of the sequences whose last new token is a placeholder (sampled
         by the step before, not read by the host): its input id is its row's last_token, on the device.
-        step27: logits_rows (flat token indices) -> the logits of those tokens instead; such a step runs eagerly,
+        logits_rows (flat token indices) -> the logits of those tokens instead; such a step runs eagerly,
         on one rank (the engine refuses speculation with tensor parallelism)."""
         if self.results_event is not None and not self.results_event.query():  # the device still runs a step
-            self.stats["overlapped_launches"] += 1  # step25: whose results the host has not read: this one overlaps
+            self.stats["overlapped_launches"] += 1  # whose results the host has not read: this one overlaps
         if changes is None:  # rank 0 (or alone) decides the rows; a worker is given them
             with self.timers.phase("prepare inputs"):
                 changes = self.block_tables.changes(work)
@@ -392,7 +392,7 @@ class ModelRunner:
             with self.timers.phase("prepare inputs"):
                 rows = self.block_tables.write(changes)  # the new blocks, in place
                 size = self.graphs.prepare([seq for seq, _ in work], self.block_tables, rows, placeholders)
-                if placeholders:  # step25: row i of the static inputs is sequence i
+                if placeholders:  # row i of the static inputs is sequence i
                     self.fill_placeholders(self.graphs.inputs.input_ids, [(i, rows[i]) for i in placeholders])
             with self.timers.phase("forward"):
                 self.stats["forwards"] += 1
@@ -407,7 +407,7 @@ class ModelRunner:
             return self.model.forward(input_ids, positions, attn, logits_rows)
 
     def _replay_verify(self, work: list[tuple[Sequence, int]], changes, logits_rows: list[int]) -> torch.Tensor:
-        """step27: a verify step (drafting rows and decodes, no prompt chunk) in its bucket's graph: every row padded
+        """A verify step (drafting rows and decodes, no prompt chunk) in its bucket's graph: every row padded
         to k + 1 tokens (cuda_graphs.py's VerifyGraphs); -> the logits of logits_rows, picked from the graph's."""
         graphs = self.verify_graphs
         with self.timers.phase("prepare inputs"):
@@ -426,28 +426,28 @@ class ModelRunner:
         sequence that asked for logprobs its top ones as {token: logprob}, else None). Everything is computed on
         the device; read_back brings it to the host in the step's one wait. When no row asks for a filter and the
         kernels run (CUDA, the triton backend), the draw and the chosen tokens' logprobs are one kernel
-        (kernels/sampling.py; step28: greedy-only steps too); else sampler.py's operators. step25: launch_sample,
+        (kernels/sampling.py; greedy-only steps too); else sampler.py's operators. In two halves: launch_sample,
         then read_sampled."""
         return self.read_sampled(self.launch_sample(seqs, logits))
 
     def launch_sample(self, seqs: list[Sequence], logits: torch.Tensor, keep_on_device: bool = False):
-        """step25: sample's first half: the sampling queued on the device and the copies of its results to the host
+        """The first half of sample(): the sampling queued on the device and the copies of its results to the host
         queued behind it, with no wait. keep_on_device: also write each sampled token into last_token at its
         sequence's block-table row, for the next step's placeholders. -> what read_sampled reads."""
-        positions = [len(s.output_ids) + s.num_output_placeholders for s in seqs]  # step25: those in flight too
+        positions = [len(s.output_ids) + s.num_output_placeholders for s in seqs]  # those in flight too
         return self.launch_draw(logits, [s.params for s in seqs], [s.seed for s in seqs], positions,
                                 last_token_rows=[self.block_tables.row_of[s.request_id] for s in seqs]
                                 if keep_on_device else None)
 
     def launch_draw(self, logits: torch.Tensor, params: list, seeds: list[int], positions: list[int],
                     last_token_rows: list[int] | None = None) -> SimpleNamespace:
-        """step27: one draw per row of logits [R, vocab], each keyed by its (seed, position), queued with its copies
+        """One draw per row of logits [R, vocab], each keyed by its (seed, position), queued with its copies
         to the host: a plain step's rows (one per request) and a verify step's (one per place of a request's drafts)
         go through this same draw, so a place gets the same token in either. last_token_rows: the block-table rows
         whose last_token the drawn tokens become (None: not kept on the device)."""
         with self.timers.phase("sample"):
             token_logprobs = None
-            # step28: a greedy-only step takes the kernel too (its first maximum is argmax's token): torch's
+            # a greedy-only step takes the kernel too (its first maximum is argmax's token): torch's
             # log_softmax for its logprobs is one program per row, 34 us of a 0.8 ms token at batch 1 on the H200
             if self.fused_sampler and not wants_filters(params, logits.shape[-1]):
                 self.draws["fused"] += 1
@@ -478,7 +478,7 @@ class ModelRunner:
 
     def verify(self, logits: torch.Tensor, places: list[int], seqs: list[Sequence],
                drafts: list[list[int]]) -> list[Verdict]:
-        """step27: the target's verdict on every request's drafts. places: the rows of logits [rows, vocab] that are
+        """The target's verdict on every request's drafts. places: the rows of logits [rows, vocab] that are
         the requests' k_i + 1 places, request by request (the place before draft j predicts draft j; the last one
         predicts the token after the last draft).
         Every row is drawn as a plain step draws at that place (launch_draw: the argmax, or the draw keyed by the
@@ -507,7 +507,7 @@ class ModelRunner:
         return verdicts
 
     def read_sampled(self, launched: SimpleNamespace) -> tuple[list[int], list[float], list]:
-        """step25: sample's second half: wait for launch_sample's copies, -> sample's lists."""
+        """The second half of sample(): wait for launch_sample's copies, -> sample's lists."""
         with self.timers.phase("sample"):
             next_list, chosen_list, *top_lists = self.read_back(launched.copies)
             asked, top = launched.asked, [None] * launched.num
@@ -517,7 +517,7 @@ class ModelRunner:
         return next_list, chosen_list, top
 
     def start_read_back(self, *tensors: torch.Tensor) -> SimpleNamespace:
-        """step25: read_back's first half: each tensor's copy into pinned host memory queued (no wait), and an event
+        """The first half of read_back(): each tensor's copy into pinned host memory queued (no wait), and an event
         recorded behind them. On a CPU the tensors are the results already: no copy, no event."""
         if self.device.type != "cuda":
             return SimpleNamespace(hosts=tensors, event=None)
@@ -531,7 +531,7 @@ class ModelRunner:
 
     def read_back(self, copies: SimpleNamespace) -> list[list]:
         """Device tensors -> Python lists, with one wait for the GPU: the host waits once, for the event behind
-        start_read_back's copies. step25: in two halves, so that other work can go between them."""
+        start_read_back's copies. In two halves, so that other work can go between them."""
         if copies.event is not None:
             copies.event.synchronize()
             self.stats["syncs"] += 1

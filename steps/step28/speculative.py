@@ -1,4 +1,4 @@
-"""step27: speculative decoding with n-gram drafts (prompt lookup): its configuration and its proposer, on the host.
+"""Speculative decoding with n-gram drafts (prompt lookup): its configuration and its proposer, on the host.
 
 A decode step computes one token per request, and at batch 1 on a GPU it reads every weight for that one token.
 Speculation guesses several tokens and checks them all in one forward: a request with k drafts is a chunk of k + 1

@@ -1,4 +1,4 @@
-"""step26: the engine core in its own process. vLLM V1's split: the front end (async_llm.py's AsyncLLM, and the
+"""The engine core in its own process. vLLM V1's split: the front end (async_llm.py's AsyncLLM, and the
 server around it) keeps the tokenizer, the incremental detokenizer, stop strings and the callers' streams; the
 EngineCore, here, keeps the scheduler and the model runner (the offline LLM of engine.py, with step25's overlap,
 and its tensor-parallel workers as its children) and runs nothing but a busy loop:
@@ -16,7 +16,7 @@ Outputs (each step's deltas: a request's new tokens only), Stats and Error out. 
 and max_tokens (no text needed: output.check_stop without a detokenizer); stop strings are the front end's, which
 decodes the text and aborts the request when one appears. The core runs the offline engine with its stop strings
 removed (_CoreLLM: no text is decoded in this process).
-step27: a delta carries the cumulative logprob after each of its tokens (wire.py says why); _CoreLLM keeps them
+A delta carries the cumulative logprob after each of its tokens (wire.py says why); _CoreLLM keeps them
 until a delta takes them.
 
 A message that fails to decode is an Error named in the core's log (stderr), and the core serves on. An ordinary
@@ -72,8 +72,8 @@ def is_device_error(error: BaseException) -> bool:
 class _CoreLLM(LLM):
     """The offline engine as the core runs it: it stops on EOS, stop token ids and max_tokens, and decodes no text
     (stop strings and text are the front end's). A step that fails leaves no step in flight, as every LLM's does
-    (LLM._step_async; its requests, and those of the step in flight, fail as one step: LLM._fail_step). step27:
-    it keeps the cumulative logprob after each new token until a delta takes it (unsent_cumulative)."""
+    (LLM._step_async; its requests, and those of the step in flight, fail as one step: LLM._fail_step).
+    It keeps the cumulative logprob after each new token until a delta takes it (unsent_cumulative)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -15,22 +15,22 @@ Everything else (requests, blocks, sampling) belongs to the engine around it.
 The layer's elementwise groups (residual add + RMSNorm, SiLU * up, q/k norm + RoPE) go through self.ops: the torch
 operators of TorchLayerOps, or one Triton kernel each (kernels/fused.py's TritonLayerOps), picked by the engine.
 
-step20: an int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
+An int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
 (token, KV head), write_kv quantises the new rows as it stores them (quantize_kv) and gather_kv restores them
 (dequantize_kv) for the torch path; the kernels dequantise inside their loops.
 
-step21: a forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
+A forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
 step of decodes (one new token per sequence) builds no tensor from host data, so its forward is the same kernels
 on the same buffers every time (cuda_graphs.py captures it).
 
-step28: each projection is one call, ops.linear(x, weight, norm_weight=, residual=, silu_mul=), that takes the RMSNorm
+Each projection is one call, ops.linear(x, weight, norm_weight=, residual=, silu_mul=), that takes the RMSNorm
 before it and the residual add or the SiLU * up after it. The layer reads as its data flows: the residual stream x
 goes into a projection that normalises it (qkv, gate_up), and comes out of one that adds to it (o_proj, down_proj).
-The torch path does exactly what step27 did, in the same order; on CUDA a step of one row (batch 1) runs each call as
+The torch path runs the unfused operators, in the same order; on CUDA a step of one row (batch 1) runs each call as
 one kernel (kernels/gemv.py), and a larger step runs cuBLAS with the norm, the activation and the add beside it.
 The q/k norm + RoPE call also writes the step's K and V into the cache (ops.qk_norm_rope_write).
 
-step22: tensor parallelism (parallel.py). With N ranks each rank's CausalLM holds its share of every weight (the
+Tensor parallelism (parallel.py). With N ranks each rank's CausalLM holds its share of every weight (the
 loader reads only those slices) and its config says so: heads, KV heads and the MLP's width divided by N. The
 forward is step21's with three additions, each the identity when N = 1: the embedding looks up only its rank's
 vocab rows and one all-reduce sums the ranks' lookups; o_proj and down_proj (row-parallel) give partial sums, each
@@ -143,13 +143,13 @@ class TorchLayerOps:
 
     def add_rms_norm(self, x, residual, weight, eps):
         """-> (rms_norm(x + residual), x + residual); without a residual, (rms_norm(x), x): the reference of
-        kernels/fused.py's add_rms_norm (step28's model calls linear, whose norm is this without a residual)."""
+        kernels/fused.py's add_rms_norm (the model calls linear, whose norm is this without a residual)."""
         if residual is not None:
             x = x + residual
         return rms_norm(x, weight, eps), x
 
     def dequantize_buffer(self, weight) -> torch.Tensor:
-        """step29: the float32 buffer a 4-bit weight is dequantised into for its matmul, one for all the model's
+        """The float32 buffer a 4-bit weight is dequantised into for its matmul, one for all the model's
         projections (the largest one's N * K floats: gate_up's), so that each matmul does not allocate its weight
         anew. The matmul reads it before the next projection writes it (in order, on one device's stream)."""
         size = weight.shape[0] * weight.shape[1]
@@ -159,11 +159,11 @@ class TorchLayerOps:
         return buffer[:size]
 
     def linear(self, x, weight, norm_weight=None, eps=1e-6, residual=None, silu_mul=False):
-        """step28: one projection with what surrounds it: x [M, K] -> x @ weight.T [M, N]; with norm_weight, x is
+        """One projection with what surrounds it: x [M, K] -> x @ weight.T [M, N]; with norm_weight, x is
         RMS-normalised first; with silu_mul, weight is [gate; up] and the result silu(gate) * up [M, N / 2]; with
         residual [M, N], it is added to the result (the new residual stream)."""
         h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
-        if isinstance(weight, Q4Weight):  # step29: 4-bit blocks, dequantised for this matmul only (d * q + m)
+        if isinstance(weight, Q4Weight):  # 4-bit blocks, dequantised for this matmul only (d * q + m)
             weight = weight.dequantize(h.dtype, out=self.dequantize_buffer(weight))
         y = h @ weight.T
         if silu_mul:
@@ -172,7 +172,7 @@ class TorchLayerOps:
 
     def qk_norm_rope_write(self, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim,
                            k_cache, v_cache, k_scale, v_scale, slot_mapping):
-        """step28: qk_norm_rope, then the step's K and V written into the cache at slot_mapping -> q [N, heads,
+        """qk_norm_rope, then the step's K and V written into the cache at slot_mapping -> q [N, heads,
         head_dim]. One kernel on the fused path (kernels/fused.py); int8 caches quantise as they are written."""
         N = qkv.shape[0]
         q, k = self.qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
@@ -278,7 +278,7 @@ def load_shard(files, rank: int, size: int, device: torch.device, dtype: torch.d
 
 
 def weight_bytes(weights: dict) -> tuple[int, int]:
-    """step29: (bytes of the projections' weights, bytes of every weight), each tensor counted once (a tied lm_head
+    """-> (bytes of the projections' weights, bytes of every weight), each tensor counted once (a tied lm_head
     is the embedding)."""
     seen, linear, total = set(), 0, 0
     for name, w in weights.items():
@@ -293,13 +293,13 @@ def weight_bytes(weights: dict) -> tuple[int, int]:
 
 
 def is_linear(name: str) -> bool:
-    """step29: a layer's projection (q, k, v, o, gate, up, down): the weights kept as 4-bit blocks."""
+    """A layer's projection (q, k, v, o, gate, up, down): the weights kept as 4-bit blocks."""
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
 
 
 def load_gguf_shard(path: Path, config: "ModelConfig", rank: int, size: int, device: torch.device,
                     dtype: torch.dtype) -> dict:
-    """step29: rank `rank`'s share of a GGUF checkpoint (quant.py's read_gguf): the projections as Q4Weight blocks
+    """Rank `rank`'s share of a GGUF checkpoint (quant.py's read_gguf): the projections as Q4Weight blocks
     on the device (their rows or their inputs, as load_shard cuts a float tensor), every other tensor in dtype."""
     weights = {}
     for name, tensor in read_gguf(path, config.num_heads, config.num_kv_heads).items():
@@ -320,7 +320,7 @@ def load_gguf_shard(path: Path, config: "ModelConfig", rank: int, size: int, dev
 
 
 class CausalLM:
-    """A Llama or a Qwen3: the same code, with q/k norms when config.qk_norm. step22: config and weights are this
+    """A Llama or a Qwen3: the same code, with q/k norms when config.qk_norm. Its config and weights are this
     rank's share (rank_config), tp its place in the group (parallel.py; rank 0 of 1 when not split)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None):
@@ -330,7 +330,7 @@ class CausalLM:
         self.kv_cache: KVCache | None = None  # bound by the model runner once the cache is allocated
         self.attention_backend = None  # attention.py's TorchAttention or TritonAttention, bound by the engine
         self.ops = TorchLayerOps()  # the elementwise groups: torch operators, or kernels/fused.py's (the engine picks)
-        # step21: RoPE's cos/sin for every position, computed once: a step indexes them by its positions (one
+        # RoPE's cos/sin for every position, computed once: a step indexes them by its positions (one
         # gather, nothing computed from host data), which a CUDA graph can replay. Equal to rope_cos_sin's per step.
         dtype, device = weights["model.norm.weight"].dtype, weights["model.norm.weight"].device
         self.rope_cos, self.rope_sin = rope_cos_sin(torch.arange(config.max_position_embeddings, device=device),
@@ -340,7 +340,7 @@ class CausalLM:
     def from_pretrained(cls, model_dir: Path, device: torch.device, dtype: torch.dtype,
                         tp: TensorParallel | None = None, gguf_file: Path | None = None,
                         quantization: str | None = None) -> "CausalLM":
-        """Load this rank's share of the checkpoint (load_shard reads only its slices). step29: with gguf_file, the
+        """Load this rank's share of the checkpoint (load_shard reads only its slices). With gguf_file, the
         weights come from it, the linear layers' as their 4-bit blocks (load_gguf_shard); quantization="int4"
         rounds a float checkpoint's linear layers to the same blocks as they are loaded."""
         tp = tp or TensorParallel()
@@ -361,7 +361,7 @@ class CausalLM:
 
     def attention(self, x: torch.Tensor, layer: int, cos: torch.Tensor, sin: torch.Tensor,
                   attn: AttentionMetadata) -> torch.Tensor:
-        """step28: the residual stream x [N, hidden] -> x + attention(input_layernorm(x)), the new residual stream."""
+        """The residual stream x [N, hidden] -> x + attention(input_layernorm(x)), the new residual stream."""
         c, p, ops = self.config, f"model.layers.{layer}.", self.ops
         # the input norm and one matmul for every token of the step: [N, (heads + 2 * kv_heads) * head_dim]
         qkv = ops.linear(x, self.w[p + "self_attn.qkv_proj.weight"], self.w[p + "input_layernorm.weight"],
@@ -376,7 +376,7 @@ class CausalLM:
         return self.add_projection(out, self.w[p + "self_attn.o_proj.weight"], x)
 
     def mlp(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """step28: the residual stream x -> x + mlp(post_attention_layernorm(x))."""
+        """The residual stream x -> x + mlp(post_attention_layernorm(x))."""
         p, ops = f"model.layers.{layer}.", self.ops
         # the norm, one matmul [N, 2 * intermediate] and SiLU(gate) * up: one call, one kernel at a few rows
         act = ops.linear(x, self.w[p + "mlp.gate_up_proj.weight"], self.w[p + "post_attention_layernorm.weight"],
@@ -398,16 +398,16 @@ class CausalLM:
         input_ids, positions: [N], the new tokens of S sequences side by side (a prefill chunk contributes its
         T tokens, a decode one) and their positions. attn: where each sequence's tokens are in the batch and
         where its K/V go and come from. -> [S, vocab], from each sequence's last token only.
-        step27: logits_rows, the flat indices of the tokens whose logits are wanted (a speculative step: each of a
+        logits_rows, the flat indices of the tokens whose logits are wanted (a speculative step: each of a
         request's drafts and the token before them; a list, or a device tensor: a captured verify step's) ->
         [len(logits_rows), vocab], in that order.
         """
         c = self.config
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [N, head_dim], from the precomputed tables
         x = self.embed(input_ids)  # [N, hidden]: the residual stream
-        for layer in range(c.num_layers):  # step28: each block reads the stream and adds to it
+        for layer in range(c.num_layers):  # each block reads the stream and adds to it
             x = self.mlp(self.attention(x, layer, cos, sin, attn), layer)
-        if logits_rows is not None:  # step27: the rows asked for
+        if logits_rows is not None:  # the rows asked for
             rows = logits_rows if isinstance(logits_rows, torch.Tensor) else to_device(torch.tensor(logits_rows), x.device)
             x = x[rows]
         elif x.shape[0] != attn.num_seqs:  # some sequence has several new tokens: keep each one's last
@@ -438,7 +438,7 @@ def fuse_projections(weights: dict[str, torch.Tensor], config: ModelConfig) -> d
     In place, layer by layer: each layer's separate matrices are freed as soon as its stacked ones exist."""
     for layer in range(config.num_layers):
         a, m = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
-        stack = lambda ws: cat_rows(ws) if isinstance(ws[0], Q4Weight) else torch.cat(ws)  # noqa: E731 (step29)
+        stack = lambda ws: cat_rows(ws) if isinstance(ws[0], Q4Weight) else torch.cat(ws)  # noqa: E731
         weights[a + "qkv_proj.weight"] = stack([weights.pop(a + n + "_proj.weight") for n in "qkv"])
         weights[m + "gate_up_proj.weight"] = stack([weights.pop(m + "gate_proj.weight"),
                                                     weights.pop(m + "up_proj.weight")])
@@ -561,7 +561,7 @@ class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto"):
         quantized = check_kv_cache_dtype(kv_cache_dtype) == "int8"
-        # step27: zeros, not empty. A verify graph's padding tokens attend past their request's tokens (cuda_graphs.py's
+        # zeros, not empty. A verify graph's padding tokens attend past their request's tokens (cuda_graphs.py's
         # StaticVerifyInputs), and the kernel loads those keys and values for the real tokens of the same tile too,
         # weighted 0: a NaN in memory never written would make 0 x NaN = NaN there. Written memory is finite.
         self.data = torch.zeros((2, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim),

@@ -180,7 +180,7 @@ class TensorParallel:
         return buffer
 
     def broadcast_tokens(self, last_token: torch.Tensor) -> None:
-        """step25: rank 0's last_token (each block-table row's newest sampled token, on its device) -> every rank's,
+        """Rank 0's last_token (each block-table row's newest sampled token, on its device) -> every rank's,
         in place, through the forward's group (NCCL on CUDA: device to device, queued behind the sampling)."""
         import torch.distributed as dist
 
@@ -200,7 +200,7 @@ class TensorParallel:
 # ---- a step's inputs, as rank 0 sends them ---------------------------------------------------------------
 class NewTokens:
     """The tokens a worker knows of a sequence: the ones this step computes, at positions start .. start + n - 1
-    (step25: but a placeholder, its last, whose id only the devices hold). Indexed like the sequence's token_ids (by
+    (but a placeholder, its last, whose id only the devices hold). Indexed like the sequence's token_ids (by
     absolute position), inside that window only."""
 
     def __init__(self, start: int, ids: list[int]):
@@ -235,7 +235,7 @@ def pack_work(work, changes, placeholders=()) -> torch.Tensor:
     """The scheduled [(sequence, new tokens)] and their block-table changes (BlockTables.changes: each one's row, how
     many blocks the row holds, the blocks new since) -> one int64 tensor: S, then per row (start, n, length, table
     row, blocks held, new blocks, placeholder), then every row's new token ids, then every row's new blocks.
-    step25: placeholders, the indices in work of the rows whose last new token is a placeholder (model_runner.py's
+    placeholders: the indices in work of the rows whose last new token is a placeholder (model_runner.py's
     execute): such a row's placeholder is 1 and its ids are its n - 1 known ones."""
     late = set(placeholders)
     head, ids, blocks = [len(work)], [], []

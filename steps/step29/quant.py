@@ -1,4 +1,4 @@
-"""step29: 4-bit weights, kept as the checkpoint ships them.
+"""4-bit weights, kept as the checkpoint ships them.
 
 The embedded model is a GGUF file whose linear weights are Q4_1 blocks: every run of 32 consecutive inputs of a
 weight row is one block of 20 bytes,

@@ -12,7 +12,7 @@ tokens are free; it takes one more block each time its last one fills up. When a
 and none is free, the newest running request is preempted: its blocks are released and it
 goes back to the front of the queue, to be recomputed from its tokens later.
 
-step23: suspects. When a step of several requests fails (engine.py's _fail_step), each of them is put back as a
+Suspects. When a step of several requests fails (engine.py's _fail_step), each of them is put back as a
 preempted request and marked suspect (requeue). A suspect that holds a seat runs alone, so that a step that fails
 then is its own; once it gets a token it is cleared (clear_suspect) and runs with the others again.
 """
@@ -32,7 +32,7 @@ class Scheduler:
         self.waiting: deque = deque()  # arrived, not started
         self.running: list = []  # started: each owns KV blocks
         self.requests: dict = {}  # every waiting or running request, by request_id
-        self.num_suspects = 0  # step23: requests put back by a step that failed beside them (requeue)
+        self.num_suspects = 0  # requests put back by a step that failed beside them (requeue)
 
     def add(self, request) -> None:
         request.status = SequenceStatus.WAITING
@@ -59,7 +59,7 @@ class Scheduler:
         budget, work = self.max_num_batched_tokens, []
         behind = lambda r: r.num_tokens - r.num_computed_tokens  # noqa: E731  tokens with no KV yet
         running = self.running
-        if self.num_suspects:  # step23: a suspect that holds a seat runs alone
+        if self.num_suspects:  # a suspect that holds a seat runs alone
             running = next(([r] for r in self.running if r.suspect), running)
         for r in sorted(running, key=behind):  # stable: equally behind, the older request first
             if budget == 0:
@@ -80,7 +80,7 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq)
 
     def postprocess_verified(self, verified: list[tuple]) -> None:
-        """step27: after a verify step, [(request, tokens its verdict emitted)]: its newest token and its accepted
+        """After a verify step, [(request, tokens its verdict emitted)]: its newest token and its accepted
         drafts now have K/V (a run a stop cut short keeps every token it kept: each was an accepted draft), its newly
         full blocks can be shared (a request that finished here too, before its blocks are released), and the
         blocks taken for its rejected drafts go back to the pool."""
@@ -111,7 +111,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def requeue(self, request) -> None:
-        """step23: a request of a step that failed beside others is preempted (a waiting one holds nothing to give
+        """A request of a step that failed beside others is preempted (a waiting one holds nothing to give
         back): its tokens are kept and its KV recomputed, so the same tokens follow. Suspect, it runs alone."""
         if request.status is SequenceStatus.RUNNING:
             self.preempt(request)
@@ -119,7 +119,7 @@ class Scheduler:
         self.num_suspects += 1
 
     def clear_suspect(self, request) -> None:
-        """step23: the request got a token in a step of its own (or it leaves): it is no suspect any more."""
+        """The request got a token in a step of its own (or it leaves): it is no suspect any more."""
         if request.suspect:
             request.suspect = False
             self.num_suspects -= 1

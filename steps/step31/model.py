@@ -1,4 +1,4 @@
-"""Three model families, Llama, Qwen3 and step31's Qwen3-MoE, in one transformer written from scratch in plain PyTorch.
+"""Three model families, Llama, Qwen3 and Qwen3-MoE, in one transformer written from scratch in plain PyTorch.
 
 embedding -> N x [RMSNorm -> attention (RoPE, grouped-query) -> add -> RMSNorm -> SwiGLU MLP -> add]
           -> RMSNorm -> lm_head (often tied to the embedding)
@@ -15,28 +15,28 @@ Everything else (requests, blocks, sampling) belongs to the engine around it.
 The layer's elementwise groups (residual add + RMSNorm, SiLU * up, q/k norm + RoPE) go through self.ops: the torch
 operators of TorchLayerOps, or one Triton kernel each (kernels/fused.py's TritonLayerOps), picked by the engine.
 
-step20: an int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
+An int8 KV cache (kv_cache_dtype="int8"): KVCache holds K and V as int8 with one fp32 scale per
 (token, KV head), write_kv quantises the new rows as it stores them (quantize_kv) and gather_kv restores them
 (dequantize_kv) for the torch path; the kernels dequantise inside their loops.
 
-step21: a forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
+A forward a CUDA graph can record. RoPE's tables are computed once (CausalLM.rope_cos / rope_sin) and a
 step of decodes (one new token per sequence) builds no tensor from host data, so its forward is the same kernels
 on the same buffers every time (cuda_graphs.py captures it).
 
-step28: each projection is one call, ops.linear(x, weight, norm_weight=, residual=, silu_mul=), that takes the RMSNorm
+Each projection is one call, ops.linear(x, weight, norm_weight=, residual=, silu_mul=), that takes the RMSNorm
 before it and the residual add or the SiLU * up after it. The layer reads as its data flows: the residual stream x
 goes into a projection that normalises it (qkv, gate_up), and comes out of one that adds to it (o_proj, down_proj).
-The torch path does exactly what step27 did, in the same order; on CUDA a step of one row (batch 1) runs each call as
+The torch path runs the unfused operators, in the same order; on CUDA a step of one row (batch 1) runs each call as
 one kernel (kernels/gemv.py), and a larger step runs cuBLAS with the norm, the activation and the add beside it.
 The q/k norm + RoPE call also writes the step's K and V into the cache (ops.qk_norm_rope_write).
 
-step22: tensor parallelism (parallel.py). With N ranks each rank's CausalLM holds its share of every weight (the
+Tensor parallelism (parallel.py). With N ranks each rank's CausalLM holds its share of every weight (the
 loader reads only those slices) and its config says so: heads, KV heads and the MLP's width divided by N. The
 forward is step21's with three additions, each the identity when N = 1: the embedding looks up only its rank's
 vocab rows and one all-reduce sums the ranks' lookups; o_proj and down_proj (row-parallel) give partial sums, each
 completed by one all-reduce; lm_head's logits (the rank's vocab rows) are gathered on rank 0.
 
-step31: a mixture of experts (Qwen3-MoE, HF's Qwen3MoeForCausalLM). A sparse layer's MLP is E experts, each a SwiGLU
+A mixture of experts (Qwen3-MoE, HF's Qwen3MoeForCausalLM). A sparse layer's MLP is E experts, each a SwiGLU
 MLP of moe_intermediate_size, and a router (mlp.gate, [E, hidden]): each token's router logits -> softmax -> its
 top k experts, their probabilities renormalised to sum to 1 when norm_topk_prob says so; the layer's output is the
 k experts' outputs weighted by those probabilities. ops.experts runs them: TorchLayerOps loops over the experts (one
@@ -58,7 +58,7 @@ from .parallel import TensorParallel, expert_of, is_vocab_parallel, local_expert
 from .quant import FP8, Fp8Weight, Q4Weight, cat_rows, quantize_fp8, quantize_fp8_weight, quantize_int4, read_gguf
 
 
-SUPPORTED = ("llama", "qwen3", "qwen3_moe")  # step31: qwen3_moe, a mixture of experts
+SUPPORTED = ("llama", "qwen3", "qwen3_moe")  # qwen3_moe, a mixture of experts
 
 
 @dataclass
@@ -76,7 +76,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k, before RoPE
-    # step31, a mixture of experts (qwen3_moe); num_experts 0: every layer's MLP is dense
+    # a mixture of experts (qwen3_moe); num_experts 0: every layer's MLP is dense
     num_experts: int = 0  # E: the experts of a sparse layer
     num_experts_per_tok: int = 0  # k: the experts each token runs
     moe_intermediate_size: int = 0  # each expert's width
@@ -85,7 +85,7 @@ class ModelConfig:
     mlp_only_layers: tuple = ()  # ... and L is not one of these
 
     def is_moe_layer(self, layer: int) -> bool:
-        """step31: whether layer `layer`'s MLP is a mixture of experts (HF's rule), not a dense MLP."""
+        """Whether layer `layer`'s MLP is a mixture of experts (HF's rule), not a dense MLP."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
@@ -123,7 +123,7 @@ class ModelConfig:
 
 
 def moe_fields(c: dict) -> dict:
-    """step31: a qwen3_moe config's expert fields, checked (HF's config.json names; the expert count is num_experts
+    """A qwen3_moe config's expert fields, checked (HF's config.json names; the expert count is num_experts
     on the Hub, num_local_experts in what transformers 5 writes)."""
     experts = c.get("num_experts", c.get("num_local_experts"))
     top_k = c.get("num_experts_per_tok")
@@ -184,13 +184,13 @@ class TorchLayerOps:
 
     def add_rms_norm(self, x, residual, weight, eps):
         """-> (rms_norm(x + residual), x + residual); without a residual, (rms_norm(x), x): the reference of
-        kernels/fused.py's add_rms_norm (step28's model calls linear, whose norm is this without a residual)."""
+        kernels/fused.py's add_rms_norm (the model calls linear, whose norm is this without a residual)."""
         if residual is not None:
             x = x + residual
         return rms_norm(x, weight, eps), x
 
     def dequantize_buffer(self, weight) -> torch.Tensor:
-        """step29: the float32 buffer a 4-bit weight is dequantised into for its matmul, one for all the model's
+        """The float32 buffer a 4-bit weight is dequantised into for its matmul, one for all the model's
         projections (the largest one's N * K floats: gate_up's), so that each matmul does not allocate its weight
         anew. The matmul reads it before the next projection writes it (in order, on one device's stream)."""
         size = weight.shape[0] * weight.shape[1]
@@ -200,13 +200,13 @@ class TorchLayerOps:
         return buffer[:size]
 
     def linear(self, x, weight, norm_weight=None, eps=1e-6, residual=None, silu_mul=False):
-        """step28: one projection with what surrounds it: x [M, K] -> x @ weight.T [M, N]; with norm_weight, x is
+        """One projection with what surrounds it: x [M, K] -> x @ weight.T [M, N]; with norm_weight, x is
         RMS-normalised first; with silu_mul, weight is [gate; up] and the result silu(gate) * up [M, N / 2]; with
         residual [M, N], it is added to the result (the new residual stream)."""
         h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
-        if isinstance(weight, Q4Weight):  # step29: 4-bit blocks, dequantised for this matmul only (d * q + m)
+        if isinstance(weight, Q4Weight):  # 4-bit blocks, dequantised for this matmul only (d * q + m)
             weight = weight.dequantize(h.dtype, out=self.dequantize_buffer(weight))
-        elif isinstance(weight, Fp8Weight):  # step30: fp8, the same (data * scale)
+        elif isinstance(weight, Fp8Weight):  # fp8, the same (data * scale)
             weight = weight.dequantize(h.dtype)
         y = h @ weight.T
         if silu_mul:
@@ -215,7 +215,7 @@ class TorchLayerOps:
 
     def qk_norm_rope_write(self, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim,
                            k_cache, v_cache, k_scale, v_scale, slot_mapping):
-        """step28: qk_norm_rope, then the step's K and V written into the cache at slot_mapping -> q [N, heads,
+        """qk_norm_rope, then the step's K and V written into the cache at slot_mapping -> q [N, heads,
         head_dim]. One kernel on the fused path (kernels/fused.py); int8 caches quantise as they are written."""
         N = qkv.shape[0]
         q, k = self.qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
@@ -230,11 +230,11 @@ class TorchLayerOps:
         return torch.nn.functional.silu(gate) * up
 
     def experts(self, h, weights, chosen, gate_up, down):
-        """step31: a mixture of experts' MLP after its router: expert_loop."""
+        """A mixture of experts' MLP after its router: expert_loop."""
         return self.expert_loop(h, weights, chosen, gate_up, down)
 
     def expert_loop(self, h, weights, chosen, gate_up, down):
-        """step31: the experts as a loop, the reference kernels/moe.py is tested against. h [N, hidden] (normalised)
+        """The experts as a loop, the reference kernels/moe.py is tested against. h [N, hidden] (normalised)
         -> [N, hidden], each token's chosen experts' outputs weighted by their router weights. gate_up
         [E, 2 * width, hidden] and down [E, hidden, width] are the experts this rank holds. chosen [N, k]: each token's
         experts as this rank numbers them (outside 0 .. E - 1: another rank's, skipped); weights [N, k] their router
@@ -250,7 +250,7 @@ class TorchLayerOps:
             self.expert_matmuls += 2
         return out
 
-    expert_matmuls = 0  # step31: the loop's matmuls (two per expert that got tokens), counted by expert_loop
+    expert_matmuls = 0  # the loop's matmuls (two per expert that got tokens), counted by expert_loop
 
     def qk_norm_rope(self, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim):
         """qkv [N, (heads + 2 * kv_heads) * head_dim] -> q [N, heads, head_dim], k [N, kv_heads, head_dim]: each head
@@ -264,7 +264,7 @@ class TorchLayerOps:
 
 
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool):
-    """step31: the router. h [N, hidden] -> (weights [N, k] in h's dtype, experts [N, k] int64): each token's k most
+    """The router. h [N, hidden] -> (weights [N, k] in h's dtype, experts [N, k] int64): each token's k most
     probable experts under softmax(h @ router.T) (in fp32), most probable first, their probabilities renormalised
     to sum to 1 when `renormalize` (HF's norm_topk_prob)."""
     probs = torch.softmax((h @ router.T).float(), dim=-1)  # [N, E]
@@ -318,7 +318,7 @@ class AttentionMetadata:
 
 def rank_config(config: ModelConfig, size: int, expert_parallel: bool = False) -> ModelConfig:
     """The shape one of `size` ranks holds: its share of the query heads, KV heads and MLP width (the vocab, the
-    hidden size and the rest are the model's). size 1: the model's config. step31: its share of each expert's
+    hidden size and the rest are the model's). size 1: the model's config. Its share of each expert's
     width, or (expert_parallel) every expert's whole width (it holds E / size whole experts: local_experts)."""
     if size == 1:
         return config
@@ -332,7 +332,7 @@ def load_shard(files, rank: int, size: int, device: torch.device, dtype: torch.d
     """Rank `rank`'s share of the checkpoint's tensors (HF names), read slice by slice from the safetensors files:
     a rank reads only its rows (columns) of each sharded tensor, never the whole. The vocab-parallel tensors are
     padded with zero rows to ceil(vocab / N). With size 1 every tensor is read whole, as step21 loads them.
-    step31: experts, the experts this rank holds whole (expert parallel): the others' tensors are not read."""
+    experts: the experts this rank holds whole (expert parallel): the others' tensors are not read."""
     from safetensors import safe_open
 
     weights = {}
@@ -340,7 +340,7 @@ def load_shard(files, rank: int, size: int, device: torch.device, dtype: torch.d
         with safe_open(f, framework="pt") as handle:
             for name in handle.keys():
                 if experts is not None and expert_of(name) is not None and expert_of(name) not in experts:
-                    continue  # step31: another rank's expert
+                    continue  # another rank's expert
                 part = handle.get_slice(name)
                 full_shape = part.get_shape()
                 cut = shard(name, full_shape, rank, size, experts is not None)
@@ -359,7 +359,7 @@ def load_shard(files, rank: int, size: int, device: torch.device, dtype: torch.d
 
 
 def weight_bytes(weights: dict) -> tuple[int, int]:
-    """step29: (bytes of the projections' weights, bytes of every weight), each tensor counted once (a tied lm_head
+    """-> (bytes of the projections' weights, bytes of every weight), each tensor counted once (a tied lm_head
     is the embedding)."""
     seen, linear, total = set(), 0, 0
     for name, w in weights.items():
@@ -374,14 +374,14 @@ def weight_bytes(weights: dict) -> tuple[int, int]:
 
 
 def is_linear(name: str) -> bool:
-    """step29: a layer's projection (q, k, v, o, gate, up, down): the weights kept as 4-bit blocks. step31: not an
+    """A layer's projection (q, k, v, o, gate, up, down): the weights kept as 4-bit blocks. Not an
     expert's (the experts stay in the model's dtype: the grouped GEMM reads floats)."""
     return name.startswith("model.layers.") and name.endswith("_proj.weight") and ".experts." not in name
 
 
 def load_gguf_shard(path: Path, config: "ModelConfig", rank: int, size: int, device: torch.device,
                     dtype: torch.dtype) -> dict:
-    """step29: rank `rank`'s share of a GGUF checkpoint (quant.py's read_gguf): the projections as Q4Weight blocks
+    """Rank `rank`'s share of a GGUF checkpoint (quant.py's read_gguf): the projections as Q4Weight blocks
     on the device (their rows or their inputs, as load_shard cuts a float tensor), every other tensor in dtype."""
     weights = {}
     for name, tensor in read_gguf(path, config.num_heads, config.num_kv_heads).items():
@@ -402,7 +402,7 @@ def load_gguf_shard(path: Path, config: "ModelConfig", rank: int, size: int, dev
 
 
 class CausalLM:
-    """A Llama or a Qwen3: the same code, with q/k norms when config.qk_norm. step22: config and weights are this
+    """A Llama or a Qwen3: the same code, with q/k norms when config.qk_norm. Its config and weights are this
     rank's share (rank_config), tp its place in the group (parallel.py; rank 0 of 1 when not split)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None,
@@ -410,12 +410,12 @@ class CausalLM:
         self.config = config
         self.w = weights
         self.tp = tp or TensorParallel()
-        # step31: the experts this rank's stacked expert tensors hold, in order (all of them unless expert parallel)
+        # the experts this rank's stacked expert tensors hold, in order (all of them unless expert parallel)
         self.experts = experts if experts is not None else range(config.num_experts)
         self.kv_cache: KVCache | None = None  # bound by the model runner once the cache is allocated
         self.attention_backend = None  # attention.py's TorchAttention or TritonAttention, bound by the engine
         self.ops = TorchLayerOps()  # the elementwise groups: torch operators, or kernels/fused.py's (the engine picks)
-        # step21: RoPE's cos/sin for every position, computed once: a step indexes them by its positions (one
+        # RoPE's cos/sin for every position, computed once: a step indexes them by its positions (one
         # gather, nothing computed from host data), which a CUDA graph can replay. Equal to rope_cos_sin's per step.
         dtype, device = weights["model.norm.weight"].dtype, weights["model.norm.weight"].device
         self.rope_cos, self.rope_sin = rope_cos_sin(torch.arange(config.max_position_embeddings, device=device),
@@ -425,9 +425,9 @@ class CausalLM:
     def from_pretrained(cls, model_dir: Path, device: torch.device, dtype: torch.dtype,
                         tp: TensorParallel | None = None, gguf_file: Path | None = None,
                         quantization: str | None = None, expert_parallel: bool = False) -> "CausalLM":
-        """Load this rank's share of the checkpoint (load_shard reads only its slices). step29: with gguf_file, the
+        """Load this rank's share of the checkpoint (load_shard reads only its slices). With gguf_file, the
         weights come from it, the linear layers' as their 4-bit blocks (load_gguf_shard); quantization="int4"
-        rounds a float checkpoint's linear layers to the same blocks as they are loaded. step31: expert_parallel, a
+        rounds a float checkpoint's linear layers to the same blocks as they are loaded. expert_parallel, a
         mixture of experts' experts split whole over the ranks (this rank reads only its own)."""
         tp = tp or TensorParallel()
         full = ModelConfig.from_json(Path(model_dir) / "config.json")
@@ -442,7 +442,7 @@ class CausalLM:
         if quantization == "int4":
             weights = {name: quantize_int4(w) if is_linear(name) and not isinstance(w, Q4Weight) else w
                        for name, w in weights.items()}
-        elif quantization == "fp8":  # step30: e4m3 with a scale per output row
+        elif quantization == "fp8":  # e4m3 with a scale per output row
             weights = {name: quantize_fp8_weight(w) if is_linear(name) else w for name, w in weights.items()}
         if "lm_head.weight" not in weights:  # tied: the output projection is the embedding matrix
             if not config.tie_word_embeddings:
@@ -452,14 +452,14 @@ class CausalLM:
 
     def attention(self, x: torch.Tensor, layer: int, cos: torch.Tensor, sin: torch.Tensor,
                   attn: AttentionMetadata) -> torch.Tensor:
-        """step28: the residual stream x [N, hidden] -> x + attention(input_layernorm(x)), the new residual stream."""
+        """The residual stream x [N, hidden] -> x + attention(input_layernorm(x)), the new residual stream."""
         c, p, ops = self.config, f"model.layers.{layer}.", self.ops
         # the input norm and one matmul for every token of the step: [N, (heads + 2 * kv_heads) * head_dim]
         qkv = ops.linear(x, self.w[p + "self_attn.qkv_proj.weight"], self.w[p + "input_layernorm.weight"],
                          c.rms_norm_eps)
         norms = (self.w[p + "self_attn.q_norm.weight"], self.w[p + "self_attn.k_norm.weight"]) if c.qk_norm else (None, None)
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # views of the one KV tensor
-        # None for a cache in the model's dtype; int8: the per-token scale tensors; step30, fp8: the layer's floats
+        # None for a cache in the model's dtype; int8: the per-token scale tensors; fp8: the layer's floats
         k_scale, v_scale = self.kv_cache.k_scale[layer], self.kv_cache.v_scale[layer]
         # q's and k's heads normalised (Qwen3) and rotated, K and V stored at their slots: one kernel when fused
         q = ops.qk_norm_rope_write(qkv, cos, sin, *norms, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim,
@@ -468,7 +468,7 @@ class CausalLM:
         return self.add_projection(out, self.w[p + "self_attn.o_proj.weight"], x)
 
     def mlp(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """step28: the residual stream x -> x + mlp(post_attention_layernorm(x)). step31: a sparse layer's MLP is
+        """The residual stream x -> x + mlp(post_attention_layernorm(x)). A sparse layer's MLP is
         its experts (moe)."""
         p, ops = f"model.layers.{layer}.", self.ops
         if self.config.is_moe_layer(layer):
@@ -479,7 +479,7 @@ class CausalLM:
         return self.add_projection(act, self.w[p + "mlp.down_proj.weight"], x)
 
     def moe(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """step31: the residual stream x [N, hidden] -> x + the experts' weighted sum, each token through its top k
+        """The residual stream x [N, hidden] -> x + the experts' weighted sum, each token through its top k
         experts of post_attention_layernorm(x). route chooses them (the router is whole on every rank) and ops.experts
         runs the experts this rank holds: all of them (a share of each one's width on each of N ranks), or with
         expert parallelism its own whole ones (self.experts), the others' (token, expert) pairs skipped. Either
@@ -507,16 +507,16 @@ class CausalLM:
         input_ids, positions: [N], the new tokens of S sequences side by side (a prefill chunk contributes its
         T tokens, a decode one) and their positions. attn: where each sequence's tokens are in the batch and
         where its K/V go and come from. -> [S, vocab], from each sequence's last token only.
-        step27: logits_rows, the flat indices of the tokens whose logits are wanted (a speculative step: each of a
+        logits_rows, the flat indices of the tokens whose logits are wanted (a speculative step: each of a
         request's drafts and the token before them; a list, or a device tensor: a captured verify step's) ->
         [len(logits_rows), vocab], in that order.
         """
         c = self.config
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [N, head_dim], from the precomputed tables
         x = self.embed(input_ids)  # [N, hidden]: the residual stream
-        for layer in range(c.num_layers):  # step28: each block reads the stream and adds to it
+        for layer in range(c.num_layers):  # each block reads the stream and adds to it
             x = self.mlp(self.attention(x, layer, cos, sin, attn), layer)
-        if logits_rows is not None:  # step27: the rows asked for
+        if logits_rows is not None:  # the rows asked for
             rows = logits_rows if isinstance(logits_rows, torch.Tensor) else to_device(torch.tensor(logits_rows), x.device)
             x = x[rows]
         elif x.shape[0] != attn.num_seqs:  # some sequence has several new tokens: keep each one's last
@@ -546,7 +546,7 @@ def fuse_projections(weights: dict[str, torch.Tensor], config: ModelConfig,
     [q; k; v] -> qkv_proj, [gate; up] -> gate_up_proj. x @ W.T of a stacked W is the three (two) products
     side by side, so one matmul replaces three (two): fewer kernel launches, one larger matmul.
     In place, layer by layer: each layer's separate matrices are freed as soon as its stacked ones exist.
-    step31: a sparse layer's experts (those in `experts`, in order) stacked into two 3-D tensors,
+    A sparse layer's experts (those in `experts`, in order) stacked into two 3-D tensors,
     mlp.experts.gate_up_proj.weight [E, 2 * width, hidden] (each expert's [gate; up]) and
     mlp.experts.down_proj.weight [E, hidden, width]: the grouped GEMM's operands, expert e at index e."""
     for layer in range(config.num_layers):
@@ -562,7 +562,7 @@ def fuse_projections(weights: dict[str, torch.Tensor], config: ModelConfig,
 
 
 def stack_experts(weights: dict, m: str, experts: range) -> None:
-    """step31: layer prefix m's experts (HF's names, one tensor per expert and projection) -> the two stacked
+    """Layer prefix m's experts (HF's names, one tensor per expert and projection) -> the two stacked
     tensors, in place. A missing router or expert tensor is a ValueError that names it."""
     if m + "gate.weight" not in weights:
         raise ValueError(f"model: the checkpoint has no router {m}gate.weight for this mixture-of-experts layer")
@@ -625,7 +625,7 @@ def slot_mapping(start_positions: list[int], query_lens: list[int], block_tables
     return blocks * block_size + positions % block_size  # int64 [N], on the CPU
 
 
-# "auto": the model's dtype; "int8": one byte per element + a scale per row; step30: "fp8" / "fp8_e4m3" (vLLM's two
+# "auto": the model's dtype; "int8": one byte per element + a scale per row; "fp8" / "fp8_e4m3" (vLLM's two
 # names for one format): one byte per element, float8 e4m3, with one scale per layer for K and one for V
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
@@ -657,7 +657,7 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 
 
 def dequantize_fp8(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """step30: float8 e4m3 rows and their layer's scale -> the rows in `dtype`: q * scale, computed in fp32."""
+    """Float8 e4m3 rows and their layer's scale -> the rows in `dtype`: q * scale, computed in fp32."""
     return (q.float() * scale).to(dtype)
 
 
@@ -666,7 +666,7 @@ def write_kv(cache_layer: torch.Tensor, slot_mapping: torch.Tensor, new: torch.T
     """Store new K (or V) rows, [N, kv_heads, head_dim], at their flat slots [N]: one scatter, whatever N.
     cache_layer [num_blocks, block_size, kv_heads, head_dim] is viewed as [num_blocks * block_size, ...].
     int8 cache (scale_layer [num_blocks, block_size, kv_heads] given): quantise first, then one scatter of the
-    int8 rows and one of their scales. step30: fp8 cache (scale_layer: the layer's scale, a float): the rows
+    int8 rows and one of their scales. fp8 cache (scale_layer: the layer's scale, a float): the rows
     quantised with it (quantize_fp8), one scatter."""
     if cache_layer.dtype == FP8:  # torch's scatter has no float8 kernel on every device: move the bytes
         cache_layer.view(torch.uint8).view(-1, *cache_layer.shape[2:]).index_copy_(
@@ -688,9 +688,9 @@ def context_slots(block_table: list[int], num_tokens: int, block_size: int, devi
 def gather_kv(cache_layer: torch.Tensor, slots: torch.Tensor, scale_layer: torch.Tensor | None = None,
               dtype: torch.dtype | None = None) -> torch.Tensor:
     """K (or V) rows at the given flat slots, [len(slots), kv_heads, head_dim]: one index_select. int8 cache
-    (scale_layer given): the rows' scales too, and the rows come back dequantised, in `dtype`. step30: an fp8
+    (scale_layer given): the rows' scales too, and the rows come back dequantised, in `dtype`. An fp8
     cache's rows come back dequantised with the layer's scale (a float)."""
-    if cache_layer.dtype == FP8:  # step30: the bytes gathered (as write_kv moves them), dequantised with the scale
+    if cache_layer.dtype == FP8:  # the bytes gathered (as write_kv moves them), dequantised with the scale
         rows = cache_layer.view(torch.uint8).view(-1, *cache_layer.shape[2:]).index_select(0, slots)
         return dequantize_fp8(rows.view(FP8), scale_layer, dtype)
     rows = cache_layer.view(-1, *cache_layer.shape[2:]).index_select(0, slots)
@@ -706,15 +706,15 @@ class KVCache:
 
     kv_cache_dtype "auto": data has the model's dtype, and k_scale / v_scale are None. "int8": data is int8, and
     scales [2, layers, num_blocks, block_size, kv_heads] fp32 holds one scale per (token, KV head);
-    k_scale[layer] and v_scale[layer] are its views, [num_blocks, block_size, kv_heads]. step30: "fp8" /
+    k_scale[layer] and v_scale[layer] are its views, [num_blocks, block_size, kv_heads]. "fp8" /
     "fp8_e4m3": data is float8 e4m3, and k_scale[layer] and v_scale[layer] are floats, one per layer (kv_scales,
     or 1.0)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto", kv_scales: tuple[list[float], list[float]] | None = None):
         quantized = check_kv_cache_dtype(kv_cache_dtype) == "int8"
-        fp8 = kv_cache_dtype in ("fp8", "fp8_e4m3")  # step30
-        # step27: zeros, not empty. A verify graph's padding tokens attend past their request's tokens (cuda_graphs.py's
+        fp8 = kv_cache_dtype in ("fp8", "fp8_e4m3")
+        # zeros, not empty. A verify graph's padding tokens attend past their request's tokens (cuda_graphs.py's
         # StaticVerifyInputs), and the kernel loads those keys and values for the real tokens of the same tile too,
         # weighted 0: a NaN in memory never written would make 0 x NaN = NaN there. Written memory is finite.
         self.data = torch.zeros((2, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim),
@@ -723,7 +723,7 @@ class KVCache:
         self.v = list(self.data[1])
         self.scales = None
         self.k_scale = self.v_scale = [None] * config.num_layers
-        if fp8:  # step30: one scale per layer for K and one for V, floats (1.0 unless given: vLLM's default)
+        if fp8:  # one scale per layer for K and one for V, floats (1.0 unless given: vLLM's default)
             self.k_scale, self.v_scale = (list(kv_scales[0]), list(kv_scales[1])) if kv_scales else (
                 [1.0] * config.num_layers, [1.0] * config.num_layers)
         if quantized:  # zeros: a slot never written restores as 0, never as NaN

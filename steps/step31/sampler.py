@@ -5,7 +5,7 @@ is one tensor operation over the batch instead of one call per request. So is th
 number is a hash of its request's (seed, position), so a seeded request gets the same tokens alone or in any
 batch, with no random stream per request to draw from one at a time.
 
-step21: nothing here waits for the GPU. Which filters run is decided from the requests' parameters on the host
+Nothing here waits for the GPU. Which filters run is decided from the requests' parameters on the host
 (Python numbers), not from device tensors (a `bool(tensor.any())` on a GPU tensor stops the host until every
 queued kernel has run); the parameters travel in pinned memory without a wait; sample_batch returns the next
 tokens as a tensor on the device. The model runner reads them back once per step.
@@ -150,7 +150,7 @@ def wants_filters(params: list[SamplingParams], vocab: int) -> bool:
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution a sampled row draws from: logits [S, vocab] (one row per sampled request, none greedy) ->
     probabilities [S, vocab] after temperature, then min-p, then top-k and top-p (the order of current vLLM).
-    step27: a verify step draws each of its places through sample_batch too (model_runner.launch_draw), as a plain
+    A verify step draws each of its places through sample_batch too (model_runner.launch_draw), as a plain
     step does."""
     def column(name):  # the requests' parameters: host numbers, decided on the host
         return torch.tensor([getattr(sp, name) for sp in params])

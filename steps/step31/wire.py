@@ -16,7 +16,7 @@ An output is a delta: the token ids (and logprobs) a request got in this step, n
 message's size does not grow with the output's length. Stop strings never cross the wire: the core checks EOS,
 stop token ids and max_tokens (no text needed), and the front end, which decodes the text, finds the stop strings
 and aborts the request in the core.
-step27: one step can give a request several tokens (a speculative run), and a stop string can end it before the
+One step can give a request several tokens (a speculative run), and a stop string can end it before the
 last of them; so a delta carries the cumulative logprob after each of its tokens, and the front end returns the
 one after the last token it keeps.
 
@@ -30,11 +30,11 @@ import msgspec
 
 from shared import SamplingParams
 
-PROTOCOL_VERSION = 2  # step27: a Delta carries the cumulative logprob after each of its tokens
+PROTOCOL_VERSION = 2  # a Delta carries the cumulative logprob after each of its tokens
 
 # The values the core's engine takes for kv_cache_dtype (model.py's KV_CACHE_DTYPES, which checks them): a front
 # end's command line offers these without importing the model.
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # step30: fp8
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
 # ---- front end -> core ----------------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ class Delta(msgspec.Struct, array_like=True):
     start: int  # the output index of token_ids[0]
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per new token (top-N and the chosen one)
-    cumulative_logprobs: list[float]  # step27: one per new token, the request's cumulative logprob after it
+    cumulative_logprobs: list[float]  # one per new token, the request's cumulative logprob after it
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | None = None  # the stop token id that ended it
     error: str | None = None  # the step that served it failed: the request was dropped

@@ -17,10 +17,10 @@ cached are always taken before any cached block is evicted.
 Each block's hash is computed once, when the block fills, and kept on the sequence (sequence.block_hashes):
 admission looks a waiting prompt up with the hashes it already has, however often it is asked.
 
-step18: on_release, when given, is told of every request whose table release() gives back (finished, preempted or
+on_release, when given, is told of every request whose table release() gives back (finished, preempted or
 aborted): the model runner frees the request's block-table row (model_runner.py's BlockTables).
 
-step25: with async_scheduling a request's newest tokens may be placeholders (sampled on the device, not read yet:
+With async_scheduling a request's newest tokens may be placeholders (sampled on the device, not read yet:
 sequence.py's num_output_placeholders). num_tokens counts them, so each has its slot, but token_ids holds only the
 tokens the host knows, and a block is hashed only once every token in it is known (hash_new_blocks reads
 token_ids): no hash covers a placeholder; the hashes of a block that fills with one are made at a later step, once
@@ -28,7 +28,7 @@ it is read. The blocks registered (cache_full_blocks) and looked up (_cached_pre
 computed token is known (the engine reads step N's tokens before step N + 1's are counted computed), and a request
 is looked up only while it waits, when it has none.
 
-step32: host, when given, is a second tier (offload.py's HostKVTier). An evicted cached block is stored there before
+host, when given, is a second tier (offload.py's HostKVTier). An evicted cached block is stored there before
 its GPU block is taken (_take_free_block), and admission looks a prompt's blocks up there once the GPU's prefix cache
 misses (allocate): each host hit takes a GPU block, enters the prefix cache as a hit would, and is restored from host
 memory before the forward that reads it. stats["host_hits"] counts them, stats["tokens_saved"] includes them.
@@ -52,7 +52,7 @@ class Block:
     hash: int | None = None  # its chained hash while it is in the prefix cache, else None
     parent: int | None = None  # the block before it when it was computed (None: the first block of a prompt)
     token_ids: tuple[int, ...] = ()  # the tokens it holds; a hit must match them and the parent, not only the hash
-    parent_hash: int | None = None  # step32: the hash of the block before it (the host tier checks it on a hit)
+    parent_hash: int | None = None  # the hash of the block before it (the host tier checks it on a hit)
 
 
 class BlockManager:
@@ -68,10 +68,10 @@ class BlockManager:
         self.evictable: dict[int, None] = {}
         self.cached: dict[int, int] = {}  # the prefix cache: block hash -> id of the block holding it
         self.stats = {"lookups": 0, "hits": 0, "tokens_saved": 0, "host_hits": 0}  # lookups and hits count blocks
-        self.host = host if enable_prefix_caching else None  # step32: the host tier, offload.py (None: none)
+        self.host = host if enable_prefix_caching else None  # the host tier, offload.py (None: none)
         self.num_hashed = 0  # block hashes computed (each block of a request once)
         self.on_release = on_release  # called with each request release() empties (None: nobody listens)
-        self.on_trim = on_trim  # step27: called with each request whose table trim() cut back
+        self.on_trim = on_trim  # called with each request whose table trim() cut back
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil(num_tokens / block_size)
@@ -85,7 +85,7 @@ class BlockManager:
         return needed <= self.num_free_blocks
 
     def can_allocate_empty(self, request, num_tokens: int) -> bool:
-        """step27: could request's block table grow to num_tokens tokens with blocks that hold nothing cached? (A
+        """Could request's block table grow to num_tokens tokens with blocks that hold nothing cached? (A
         draft's block must not evict the prefix cache.) Taking blocks takes the empty ones first."""
         return self.blocks_for(num_tokens) - len(request.block_table) <= len(self.empty)
 
@@ -123,7 +123,7 @@ class BlockManager:
         return num_cached_tokens
 
     def _restore_from_host(self, request, start: int) -> int:
-        """step32: after the GPU's prefix cache missed at block `start`, the request's next full blocks from the
+        """After the GPU's prefix cache missed at block `start`, the request's next full blocks from the
         host tier, while it has them: each takes a GPU block (taking it may store an evicted one first: the copies
         run in the order asked), enters the prefix cache, and is queued to be copied back. -> how many."""
         tokens, size, hashes = request.token_ids, self.block_size, request.block_hashes
@@ -149,7 +149,7 @@ class BlockManager:
     def hash_new_blocks(self, request) -> None:
         """Hash the request's full blocks that have no hash yet: each block once in the request's life."""
         tokens, size, hashes = request.token_ids, self.block_size, request.block_hashes
-        for i in range(len(hashes), len(tokens) // size):  # step25: token_ids, the known tokens (no placeholder)
+        for i in range(len(hashes), len(tokens) // size):  # token_ids: the known tokens (no placeholder)
             hashes.append(block_hash(hashes[-1] if hashes else None, tuple(tokens[i * size:(i + 1) * size])))
             self.num_hashed += 1
 
@@ -177,7 +177,7 @@ class BlockManager:
         old = self.blocks[block_id]
         if old.hash is not None:  # its old content is about to be overwritten: it leaves the prefix cache
             del self.cached[old.hash]
-            if self.host is not None:  # step32: ... for the host tier, which keeps a copy
+            if self.host is not None:  # ... for the host tier, which keeps a copy
                 self.host.store(block_id, old.hash, old.token_ids, old.parent_hash)
         self.blocks[block_id] = Block(block_id, ref_count=1)
         return block_id
@@ -212,7 +212,7 @@ class BlockManager:
             self.on_release(request)
 
     def trim(self, request, num_tokens: int) -> int:
-        """step27: give back the blocks of request's table past the first blocks_for(num_tokens): blocks taken for
+        """Give back the blocks of request's table past the first blocks_for(num_tokens): blocks taken for
         drafts that were rejected. They were never full of computed tokens, so never cached: each goes back empty.
         -> how many blocks went back."""
         keep = self.blocks_for(num_tokens)
@@ -236,11 +236,11 @@ class BlockManager:
         self.empty.update(self.evictable)  # nothing is cached any more: every free block is empty
         self.evictable.clear()
         self.stats = {"lookups": 0, "hits": 0, "tokens_saved": 0, "host_hits": 0}
-        if self.host is not None:  # step32: the host tier forgets its blocks too
+        if self.host is not None:  # the host tier forgets its blocks too
             self.host.reset()
 
     def check_balance(self) -> None:
-        """step32: every block is held (ref_count > 0) or free, once; every cached hash names the block holding it;
+        """Every block is held (ref_count > 0) or free, once; every cached hash names the block holding it;
         and the host tier's slots balance."""
         held = {b.block_id for b in self.blocks if b.ref_count > 0}
         assert not held & set(self.empty) and not held & set(self.evictable) and not set(self.empty) & set(self.evictable)

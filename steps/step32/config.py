@@ -2,7 +2,7 @@
 vLLM's name, and checks them all in one place, its construction, before anything loads: each bad option is a
 ValueError that names it. It also resolves what was left to the engine (None: auto): the device and dtype, the
 attention backend, async scheduling, and max_kv_tokens on the CPU. Last it finds the model (a name, a random shape
-or a folder) and reads its config.json, to check that tensor_parallel_size splits it. step27: speculative_config, a
+or a folder) and reads its config.json, to check that tensor_parallel_size splits it. speculative_config, a
 dict as vLLM takes it, becomes a SpeculativeConfig (speculative.py).
 
 The LLM builds its EngineConfig from its keyword arguments first, then builds itself from it; the build of a rank
@@ -28,7 +28,7 @@ from .quant import GROUP
 from .offload import check_kv_offloading_size
 from .speculative import SpeculativeConfig
 
-# step27: verify steps of up to this many requests replay a graph (fewer if disable_by_batch_size says so); a
+# verify steps of up to this many requests replay a graph (fewer if disable_by_batch_size says so); a
 # larger batch's verify forward is compute, not launches, and runs eagerly
 VERIFY_GRAPH_MAX_SEQS = 32
 
@@ -41,7 +41,7 @@ def check_enforce_eager(enforce_eager) -> bool:
 
 
 def choose_async_scheduling(asked, device: torch.device) -> bool:
-    """step25: async_scheduling, True, False or None (on with CUDA, off elsewhere). With tensor parallelism too: rank
+    """async_scheduling: True, False or None (on with CUDA, off elsewhere). With tensor parallelism too: rank
     0 shares each step's sampled tokens with the workers on the devices (model_runner.py's share_tokens)."""
     if asked is not None and not isinstance(asked, bool):
         raise ValueError(f"async_scheduling must be True, False or None, got {asked!r}")
@@ -63,17 +63,17 @@ def choose_attention_backend(asked: str | None, device: torch.device) -> str:
     return asked
 
 
-QUANTIZATIONS = ("int4", "fp8")  # step29: quantization's names besides None (the checkpoint as shipped); step30: fp8
+QUANTIZATIONS = ("int4", "fp8")  # quantization's names besides None (the checkpoint as shipped)
 
 
 def check_int4_widths(config: ModelConfig, size: int, what: str) -> None:
-    """step29: 4-bit weights are blocks of GROUP inputs (quant.py), so every projection's inputs on a rank must be
+    """4-bit weights are blocks of GROUP inputs (quant.py), so every projection's inputs on a rank must be
     whole blocks: q/k/v and gate/up read the whole hidden state on every rank; o_proj and down_proj, cut by their
     inputs (row-parallel), 1/size of theirs. Checked on the config, before a worker starts or a weight loads. `what`
     names where the blocks come from, for the message."""
     widths = {"q/k/v_proj and gate/up_proj": config.hidden_size, "o_proj": config.num_heads * config.head_dim // size,
               "down_proj": config.intermediate_size // size}
-    if all(map(config.is_moe_layer, range(config.num_layers))):  # step31: no dense MLP (the experts stay floats)
+    if all(map(config.is_moe_layer, range(config.num_layers))):  # no dense MLP (the experts stay floats)
         del widths["down_proj"]
     for name, inputs in widths.items():
         if inputs % GROUP:
@@ -82,7 +82,7 @@ def check_int4_widths(config: ModelConfig, size: int, what: str) -> None:
 
 
 def check_quantization(quantization):
-    """step29: None (the linear weights as the checkpoint ships them) or one of QUANTIZATIONS."""
+    """quantization: None (the linear weights as the checkpoint ships them) or one of QUANTIZATIONS."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None (the checkpoint's weights as shipped) or one of "
                          f"{list(QUANTIZATIONS)}, got {quantization!r}")
@@ -103,29 +103,29 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may use (weights, cache, graphs)
     attention_backend: str | None = None  # "triton" or "torch"; None: triton on cuda (when installed), else torch
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8", or step30's "fp8" / "fp8_e4m3"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8", or "fp8" / "fp8_e4m3"
     enforce_eager: bool = False  # True: no CUDA graphs
     tensor_parallel_size: int = 1  # ranks: this process and N - 1 workers
-    async_scheduling: bool | None = None  # step25: the overlapped order; None: on with cuda, off elsewhere
-    max_logprobs: int = 20  # step23: the most logprobs a request may ask for (at most the vocabulary)
-    # step27: n-gram drafts, {"method": "ngram", "num_speculative_tokens": k, ...}; after: a SpeculativeConfig or None
+    async_scheduling: bool | None = None  # the overlapped order; None: on with cuda, off elsewhere
+    max_logprobs: int = 20  # the most logprobs a request may ask for (at most the vocabulary)
+    # n-gram drafts, {"method": "ngram", "num_speculative_tokens": k, ...}; after: a SpeculativeConfig or None
     speculative_config: SpeculativeConfig | dict | None = None
-    # step29: the linear layers' weights. None: as the checkpoint ships them (the embedded model: its GGUF's 4-bit
+    # the linear layers' weights. None: as the checkpoint ships them (the embedded model: its GGUF's 4-bit
     # Q4_1 blocks; a float checkpoint: floats); "int4": a float checkpoint's rounded to 4-bit blocks on load
     quantization: str | None = None
-    # step31: a mixture of experts over N ranks: False cuts every expert as the MLP is cut (1/N of its width on
+    # a mixture of experts over N ranks: False cuts every expert as the MLP is cut (1/N of its width on
     # each rank), True gives each rank E/N whole experts (expert parallelism; parallel.py)
     enable_expert_parallel: bool = False
-    # step32: a second tier for the prefix cache in host memory (pinned on CUDA), in GiB (vLLM's name); None or 0: none
+    # a second tier for the prefix cache in host memory (pinned on CUDA), in GiB (vLLM's name); None or 0: none
     kv_offloading_size: float | None = None
     # found from `model` during the checks: its folder and its config.json
     model_dir: Path = field(init=False)
     model_config: ModelConfig = field(init=False, repr=False)
-    gguf_file: Path | None = field(init=False, default=None)  # step29: the GGUF whose blocks are read, if any
+    gguf_file: Path | None = field(init=False, default=None)  # the GGUF whose blocks are read, if any
 
     def __post_init__(self):
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
-        # step27: n-gram drafts, on one rank; a step that drafts is synchronous
+        # n-gram drafts, on one rank; a step that drafts is synchronous
         if not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None and self.tensor_parallel_size != 1:
@@ -143,25 +143,25 @@ class EngineConfig:
         self.attention_backend = choose_attention_backend(self.attention_backend, self.device)
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
-        self.kv_offloading_size = check_kv_offloading_size(self.kv_offloading_size)  # step32
+        self.kv_offloading_size = check_kv_offloading_size(self.kv_offloading_size)
         if self.kv_offloading_size and self.tensor_parallel_size != 1:
             raise ValueError("kv_offloading_size: not with tensor_parallel_size > 1 in this step (the host tier's copies "
                              "run on rank 0's cache only)")
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size: the host tier holds evicted prefix-cache blocks, so it needs "
                              "enable_prefix_caching=True")
-        self.quantization = check_quantization(self.quantization)  # step29
+        self.quantization = check_quantization(self.quantization)
         # every option is checked: only now is the model found (a random one is built, the default converted)
         self.model_dir = resolve_model(self.model)
         self.model = str(self.model)
-        # step29: where the 4-bit blocks come from: the shipped GGUF file (read as stored), or int4 on load
+        # where the 4-bit blocks come from: the shipped GGUF file (read as stored), or int4 on load
         self.gguf_file = shipped_gguf(self.model) if self.quantization is None else None
         self.model_config = ModelConfig.from_json(self.model_dir / "config.json")
         check_max_logprobs(self.max_logprobs, self.model_config.vocab_size)
         # the split must fit the model's heads: checked on its config, before any process starts
         check_tensor_parallel_size(self.tensor_parallel_size, self.model_config, self.device,
                                    self.enable_expert_parallel)
-        if self.quantization == "int4" or self.gguf_file is not None:  # step29: whole 4-bit blocks on every rank
+        if self.quantization == "int4" or self.gguf_file is not None:  # whole 4-bit blocks on every rank
             check_int4_widths(self.model_config, self.tensor_parallel_size,
                               "quantization='int4'" if self.quantization else "the checkpoint's 4-bit Q4_1 blocks")
 
@@ -172,7 +172,7 @@ class EngineConfig:
 
     @property
     def verify_graphs(self) -> tuple[int, int] | None:
-        """step27: the verify steps' CUDA graphs, (k + 1 tokens per row, the largest batch that drafts with a graph),
+        """The verify steps' CUDA graphs, (k + 1 tokens per row, the largest batch that drafts with a graph),
         for the batches that draft; None without speculation."""
         spec = self.speculative_config
         if spec is None:

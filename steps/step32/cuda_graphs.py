@@ -66,7 +66,7 @@ class StaticDecodeInputs:
     its context are never read, so they need no clearing.
 
     The staging copies are pinned (page-locked) on CUDA, so the copies are queued and the host goes on. The host
-    may rewrite staging only once the copies of the step before have run. step25: with async_scheduling the engine
+    may rewrite staging only once the copies of the step before have run. With async_scheduling the engine
     fills step N + 2 before it waits for step N + 1, so nothing else promises that: an event recorded behind each
     fill's copies (copied) is waited for before the next fill writes the staging. By then step N's results were read,
     and step N + 1's copies, queued right after them, have run or are about to: the wait is short."""
@@ -86,20 +86,20 @@ class StaticDecodeInputs:
         self.cu_seqlens_q = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
         self.tile_seq = torch.arange(max_seqs, dtype=torch.int32, device=device)
         self.tile_first = torch.zeros(max_seqs, dtype=torch.int32, device=device)
-        self.copied = torch.cuda.Event() if pin else None  # step25: recorded behind each fill's copies
+        self.copied = torch.cuda.Event() if pin else None  # recorded behind each fill's copies
 
     def fill(self, seqs: list, tables, rows: list[int], size: int, block_size: int, scratch_block: int,
              placeholders=()) -> None:
         """The decodes of `seqs` (each: its newest token, the one without K/V yet; rows: their rows in the runner's
         BlockTables `tables`) into rows 0 .. len(seqs) - 1, padding rows up to `size`: token 0 at position 0, its
         K/V written to the scratch block's first slot, a context of that one token (the block table row: the
-        scratch block). The tables are the persistent rows, gathered; then the two copies, queued. step25:
-        placeholders, the indices of the sequences whose newest token is a placeholder (not in token_ids): 0 here,
+        scratch block). The tables are the persistent rows, gathered; then the two copies, queued.
+        placeholders: the indices of the sequences whose newest token is a placeholder (not in token_ids): 0 here,
         its id written on the device afterwards (the runner's fill_placeholders)."""
         num, pad = len(seqs), size - len(seqs)
         if not 0 < num <= size <= self.max_seqs:
             raise ValueError(f"fill: {num} sequences in a batch of {size} (at most {self.max_seqs})")
-        if self.copied is not None:  # step25: the last fill's copies have read the staging
+        if self.copied is not None:  # wait until the last fill's copies have read the staging
             self.copied.synchronize()
         positions = [seq.num_computed_tokens for seq in seqs]
         late = set(placeholders)
@@ -146,8 +146,8 @@ class DecodeGraphs:
         self.replays = 0  # graph launches
         self.eager_runs = 0  # launch() without a graph (a CPU, or before capture)
         self.pool_bytes = 0  # device memory the graphs hold (their private memory pool), measured by capture()
-        self.collectives: dict[int, tuple] = {}  # step22: what each graph's capture counted of the all-reduces
-        self.pool = None  # the graphs' memory pool, once captured (step27: the verify graphs record into it too)
+        self.collectives: dict[int, tuple] = {}  # what each graph's capture counted of the all-reduces
+        self.pool = None  # the graphs' memory pool, once captured (the verify graphs record into it too)
 
     def forward(self, size: int) -> torch.Tensor:
         """The model on the static buffers' first `size` rows: what a graph records, and the eager path."""
@@ -189,7 +189,7 @@ class DecodeGraphs:
 
     def prepare(self, seqs: list, tables, rows: list[int], placeholders=()) -> int:
         """Pad `seqs` (len(seqs) <= the largest size; rows: their rows in the BlockTables `tables`) to its bucket and
-        fill the static buffers (step25: placeholders, as fill's). -> the bucket."""
+        fill the static buffers (placeholders: as fill's). -> the bucket."""
         size = padded_size(len(seqs), self.sizes)
         self.inputs.fill(seqs, tables, rows, size, self.block_size, self.scratch_block, placeholders)
         return size
@@ -200,13 +200,13 @@ class DecodeGraphs:
         if size in self.graphs:
             self.graphs[size].replay()
             self.replays += 1
-            self.model.tp.add(self.collectives[size])  # step22: the recorded all-reduces ran again
+            self.model.tp.add(self.collectives[size])  # the recorded all-reduces ran again
             return self.logits[size][:num_rows]
         self.eager_runs += 1
         return self.forward(size)[:num_rows]
 
 
-# ---- step27: graphs for verify steps ---------------------------------------------------------------------------
+# ---- graphs for verify steps -----------------------------------------------------------------------------------
 class StaticVerifyInputs(StaticDecodeInputs):
     """The static buffers of a verify step: every row is `query_len` tokens (k + 1: a request's newest token and up
     to k drafts), row i's at flat indices i * query_len ... A row with fewer drafts (or none: a plain decode) is

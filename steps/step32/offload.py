@@ -1,4 +1,4 @@
-"""step32: a second tier for the KV cache, in host memory.
+"""A second tier for the KV cache, in host memory.
 
 The prefix cache (block_manager.py) keeps a request's full blocks after it finishes, until the pool needs them: then
 the least recently used is evicted, and a later request that begins with those tokens computes them again. Chat

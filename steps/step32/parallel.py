@@ -11,7 +11,7 @@ How a layer is cut (Megatron-LM's split, https://arxiv.org/abs/1909.08053), for 
     o_proj, down_proj        row-parallel: each rank holds the input columns that match its heads (its MLP
                              columns), so its product is a partial sum of the full one. One all-reduce (a sum
                              over ranks, the result on every rank) completes it: two all-reduces per layer.
-    experts (step31)         a mixture of experts' layer, two ways. By default each expert is cut as the MLP is
+    experts                  a mixture of experts' layer, two ways. By default each expert is cut as the MLP is
                              (its gate/up rows and its down columns): every rank holds 1/N of every expert.
                              enable_expert_parallel=True (vLLM's name) keeps the experts whole and splits them:
                              rank r holds experts r * E/N .. (r + 1) * E/N - 1 and runs only the tokens routed
@@ -54,13 +54,13 @@ def check_tensor_parallel_size(size, config=None, device: torch.device | None = 
                                expert_parallel: bool = False) -> int:
     """tensor_parallel_size (vLLM's name) must be a positive int; given the model's config, one that divides its
     attention heads, KV heads and MLP width (each rank holds the same share); on CUDA, no more than the GPUs.
-    step31: a mixture of experts' experts (expert_parallel) or their width (not); expert_parallel on a model without
+    A mixture of experts' experts (expert_parallel) or their width (not); expert_parallel on a model without
     experts is refused (there is nothing to split), at any size."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
     if config is None:
         return size
-    if expert_parallel and not config.num_experts:  # step31
+    if expert_parallel and not config.num_experts:
         raise ValueError(f"enable_expert_parallel=True: this model has no experts (a dense {config.model_type} model, "
                          "num_experts 0), so there are none to split over the ranks; leave it False")
     if config.num_heads % size or config.num_kv_heads % size:
@@ -70,7 +70,7 @@ def check_tensor_parallel_size(size, config=None, device: torch.device | None = 
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} must divide the model's MLP width, "
                          f"intermediate_size={config.intermediate_size}")
-    if config.num_experts and expert_parallel and config.num_experts % size:  # step31: whole experts per rank
+    if config.num_experts and expert_parallel and config.num_experts % size:  # whole experts per rank
         raise ValueError(f"enable_expert_parallel: tensor_parallel_size={size} must divide the model's experts, "
                          f"num_experts={config.num_experts} (each rank holds the same number of whole experts)")
     if config.num_experts and not expert_parallel and config.moe_intermediate_size % size:
@@ -97,21 +97,21 @@ def is_vocab_parallel(name: str) -> bool:
 
 
 def expert_of(name: str) -> int | None:
-    """step31: the expert a checkpoint tensor belongs to (HF's names: model.layers.L.mlp.experts.E.gate_proj.weight),
+    """The expert a checkpoint tensor belongs to (HF's names: model.layers.L.mlp.experts.E.gate_proj.weight),
     or None (every other tensor, the router included)."""
     parts = name.split(".")
     return int(parts[parts.index("experts") + 1]) if "experts" in parts else None
 
 
 def local_experts(num_experts: int, rank: int, size: int) -> range:
-    """step31, expert parallel: the experts rank `rank` of `size` holds, whole: an equal run of consecutive ones."""
+    """Expert parallel: the experts rank `rank` of `size` holds, whole: an equal run of consecutive ones."""
     per = num_experts // size
     return range(rank * per, (rank + 1) * per)
 
 
 def shard(name: str, full_shape, rank: int, size: int, expert_parallel: bool = False):
     """Which part of the checkpoint tensor `name` rank `rank` of `size` holds: (dim, start, stop), or None when
-    every rank holds all of it (the norms, a mixture of experts' router). step31: an expert's tensors are cut as the
+    every rank holds all of it (the norms, a mixture of experts' router). An expert's tensors are cut as the
     MLP's are; with expert_parallel they are whole (None), and held by one rank only (local_experts)."""
     if expert_parallel and expert_of(name) is not None:
         return None
@@ -213,7 +213,7 @@ class TensorParallel:
         return buffer
 
     def broadcast_tokens(self, last_token: torch.Tensor) -> None:
-        """step25: rank 0's last_token (each block-table row's newest sampled token, on its device) -> every rank's,
+        """Rank 0's last_token (each block-table row's newest sampled token, on its device) -> every rank's,
         in place, through the forward's group (NCCL on CUDA: device to device, queued behind the sampling)."""
         import torch.distributed as dist
 
@@ -233,7 +233,7 @@ class TensorParallel:
 # ---- a step's inputs, as rank 0 sends them ---------------------------------------------------------------
 class NewTokens:
     """The tokens a worker knows of a sequence: the ones this step computes, at positions start .. start + n - 1
-    (step25: but a placeholder, its last, whose id only the devices hold). Indexed like the sequence's token_ids (by
+    (but a placeholder, its last, whose id only the devices hold). Indexed like the sequence's token_ids (by
     absolute position), inside that window only."""
 
     def __init__(self, start: int, ids: list[int]):
@@ -268,7 +268,7 @@ def pack_work(work, changes, placeholders=()) -> torch.Tensor:
     """The scheduled [(sequence, new tokens)] and their block-table changes (BlockTables.changes: each one's row, how
     many blocks the row holds, the blocks new since) -> one int64 tensor: S, then per row (start, n, length, table
     row, blocks held, new blocks, placeholder), then every row's new token ids, then every row's new blocks.
-    step25: placeholders, the indices in work of the rows whose last new token is a placeholder (model_runner.py's
+    placeholders: the indices in work of the rows whose last new token is a placeholder (model_runner.py's
     execute): such a row's placeholder is 1 and its ids are its n - 1 known ones."""
     late = set(placeholders)
     head, ids, blocks = [len(work)], [], []

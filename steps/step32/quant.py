@@ -1,4 +1,4 @@
-"""step29: 4-bit weights, kept as the checkpoint ships them.
+"""4-bit weights, kept as the checkpoint ships them.
 
 The embedded model is a GGUF file whose linear weights are Q4_1 blocks: every run of 32 consecutive inputs of a
 weight row is one block of 20 bytes,
@@ -90,8 +90,8 @@ class Q4Weight:
 
 
 def cat_rows(weights: list) -> "Q4Weight | Fp8Weight":
-    """Weights of the same K stacked by output rows (the fused qkv and gate_up): blocks never cross a row (step30:
-    nor do an fp8 weight's per-row scales)."""
+    """Weights of the same K stacked by output rows (the fused qkv and gate_up): blocks never cross a row (nor
+    do an fp8 weight's per-row scales)."""
     if isinstance(weights[0], Fp8Weight):
         return Fp8Weight(torch.cat([w.data.view(torch.uint8) for w in weights]).view(FP8),
                          torch.cat([w.scale for w in weights]))
@@ -100,7 +100,7 @@ def cat_rows(weights: list) -> "Q4Weight | Fp8Weight":
 
 @dataclass
 class Fp8Weight:
-    """step30: one linear's [N, K] weight in float8 e4m3 with one fp32 scale per output row (per channel): w is
+    """One linear's [N, K] weight in float8 e4m3 with one fp32 scale per output row (per channel): w is
     data * scale[:, None]. 1 byte a weight and 4 a row: about half of bfloat16's bytes."""
 
     data: torch.Tensor   # float8_e4m3fn [N, K]
@@ -131,7 +131,7 @@ FP8_MAX = torch.finfo(FP8).max  # 448: e4m3 has no infinity; a larger value is s
 
 
 def quantize_fp8(x: torch.Tensor, scale) -> torch.Tensor:
-    """step30: x / scale rounded to the nearest float8 e4m3 value, computed in fp32, saturated at +-448 (torch's own
+    """x / scale rounded to the nearest float8 e4m3 value, computed in fp32, saturated at +-448 (torch's own
     cast saturates the same way). scale: a float (a KV cache's layer) or a tensor that broadcasts (a weight's rows,
     activations' rows). Each element keeps 3 bits of mantissa: a relative error of at most 1/16, whatever its size,
     down to 2^-6 (below that, e4m3's subnormals: steps of 2^-9)."""
@@ -139,7 +139,7 @@ def quantize_fp8(x: torch.Tensor, scale) -> torch.Tensor:
 
 
 def quantize_fp8_weight(w: torch.Tensor) -> Fp8Weight:
-    """step30, quantization="fp8": per output row, scale = max|w| / 448 (a row of zeros: 1), data = w / scale
+    """quantization="fp8": per output row, scale = max|w| / 448 (a row of zeros: 1), data = w / scale
     rounded to the nearest e4m3 value (torch's cast). Each weight keeps 3 bits of mantissa: within 1/16 of its value
     down to 2^-6 of its row's largest."""
     if w.dim() != 2:

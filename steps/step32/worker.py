@@ -41,9 +41,9 @@ def graphs_off_reason(enforce_eager: bool, device: torch.device, attention_backe
 
 
 def new_stats() -> dict:
-    """The engine's counters. rows: summed. step21: graph_replays (forwards replayed from a graph), eager_forwards,
+    """The engine's counters. rows: summed. graph_replays (forwards replayed from a graph), eager_forwards,
     padded_rows (rows added to fill a bucket), syncs (waits for the GPU: one per step that samples, on CUDA).
-    step27: verify_replays (verify steps replayed from a graph)."""
+    verify_replays (verify steps replayed from a graph)."""
     return {"prefill_chunks": 0, "decode_steps": 0, "decode_rows": 0, "forwards": 0, "graph_replays": 0,
             "eager_forwards": 0, "padded_rows": 0, "syncs": 0, "verify_replays": 0}
 
@@ -51,7 +51,7 @@ def new_stats() -> dict:
 def build_rank(config: EngineConfig, device: torch.device, tp: TensorParallel):
     """One rank's model runner, as the engine's config says: its share of the model, the attention backend, the KV
     cache (sized, on CUDA, by a profiled forward) and the CUDA graphs. Rank 0 (the engine) and every worker run this
-    same build, on its own device, so the collectives in its forwards meet. step27: the verify steps' graphs too
+    same build, on its own device, so the collectives in its forwards meet. The verify steps' graphs too
     (config.verify_graphs: k + 1 tokens per row, up to the largest batch that drafts). -> (runner, memory,
     cuda_graphs)."""
     c = config
@@ -201,7 +201,7 @@ class Workers:
 
     def start_step(self, tp: TensorParallel, work, changes, placeholders=(), share_tokens: bool = False) -> None:
         """Ring every doorbell (the size of the step's inputs), then broadcast the inputs (the work and its
-        block-table changes): the workers run the same forward as rank 0 from here. step25: placeholders, the work's
+        block-table changes): the workers run the same forward as rank 0 from here. placeholders: the work's
         rows whose last input is filled on the device (pack_work); share_tokens, the doorbell says "step+tokens":
         after the forward each worker also receives rank 0's last_token."""
         self.check_alive()
@@ -267,7 +267,7 @@ def worker_main(rank: int, size: int, init_method: str, device: str, config: Eng
                 continue
             work, changes, placeholders = unpack_work(tp.broadcast_inputs(None, numel), runner.block_tables)
             runner.execute(work, changes, placeholders)
-            if kind == "step+tokens":  # step25: rank 0's sampled tokens, for this rank's placeholders' inputs
+            if kind == "step+tokens":  # rank 0's sampled tokens, for this rank's placeholders' inputs
                 tp.broadcast_tokens(runner.last_token)
     except (EOFError, KeyboardInterrupt):
         return

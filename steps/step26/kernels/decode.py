@@ -47,7 +47,7 @@ with the log-sum-exp rule, rescaling every part to the common maximum M:
 This is exact (the same rescaling the online softmax does between two tiles, done between two parts), so the
 result equals the unsplit kernel's up to rounding.
 
-step20: flash_decode reads an int8 cache. Given k_scale and v_scale ([num_blocks, block_size, kv_heads] fp32, one
+flash_decode also reads an int8 cache. Given k_scale and v_scale ([num_blocks, block_size, kv_heads] fp32, one
 scale per token and KV head), the split kernel loads each K/V tile as int8 and converts it to q's dtype (exact: the
 values are -127..127); a token's scale is one number for its whole row, so it multiplies the token's column of
 scores (after q . k) and of probabilities (before p @ v) instead of its head_dim elements, then goes on as before
@@ -66,7 +66,7 @@ try:
 except ImportError:  # no Triton: the reference still works
     triton = None
 
-from .attention import check_scales  # step20: an int8 cache's scales, checked as mixed_attention checks them
+from .attention import check_scales  # an int8 cache's scales, checked as mixed_attention checks them
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 
@@ -151,7 +151,7 @@ def decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale
     return out
 
 
-# ---- step17: flash decoding ---------------------------------------------------------------------------------
+# ---- flash decoding -----------------------------------------------------------------------------------------
 
 def choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms=132, min_tokens_per_split=256):
     """How many parts to cut each context into.

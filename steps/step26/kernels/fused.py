@@ -9,7 +9,7 @@ registers, write the outputs once.
 
     add_rms_norm   residual add + RMSNorm: x + residual -> the new residual and its normalised copy, one pass
     silu_mul       SiLU(gate) * up over the [N, 2 * intermediate] output of the gate/up matmul
-    quantize_write_kv  step20: an int8 cache's write, K and V of every new token quantised (a scale per token and KV
+    quantize_write_kv  an int8 cache's write, K and V of every new token quantised (a scale per token and KV
                    head) and stored at their slots with their scales, one launch for both (model.py's write_kv is the
                    torch path: about ten operators for each of K and V)
     qk_norm_rope   Qwen3's per-head RMSNorm of q and k (Llama has none), then RoPE, on the q and k heads of the qkv

@@ -9,15 +9,15 @@ registers, write the outputs once.
 
     add_rms_norm   residual add + RMSNorm: x + residual -> the new residual and its normalised copy, one pass
     silu_mul       SiLU(gate) * up over the [N, 2 * intermediate] output of the gate/up matmul
-    quantize_write_kv  step20: an int8 cache's write, K and V of every new token quantised (a scale per token and KV
+    quantize_write_kv  an int8 cache's write, K and V of every new token quantised (a scale per token and KV
                    head) and stored at their slots with their scales, one launch for both (model.py's write_kv is the
                    torch path: about ten operators for each of K and V)
     qk_norm_rope   Qwen3's per-head RMSNorm of q and k (Llama has none), then RoPE, on the q and k heads of the qkv
                    matmul's output viewed as [N, heads + kv_heads, head_dim]: one program per token, every head.
-                   step28: with the cache given, it also stores the token's rotated K and its V at the token's slot
+                   With the cache given, it also stores the token's rotated K and its V at the token's slot
                    (what model.py's write_kv does in two scatters), and returns q only
 
-step28: TritonLayerOps.linear, a projection with its norm, activation and residual, runs kernels/gemv.py's kernel
+TritonLayerOps.linear, a projection with its norm, activation and residual, runs kernels/gemv.py's kernel
 for a step of one row on CUDA (gemv_max_rows); a larger step runs cuBLAS beside the kernels here.
 
 Each rounds where the torch code rounds (to the model's dtype after every operator that torch runs in it), so the
@@ -80,7 +80,7 @@ if triton is not None:
         """One program per token, all its heads + kv_heads q and k heads at once ([BLOCK_H, HEAD_DIM / 2] tiles of
         each half): RMSNorm of each head over head_dim with q's or k's weight (when HAS_NORM), then the rotation of
         each (first half, second half) pair by the token's angle."""
-        if PDL:  # step28: launched before the qkv projection ends: let the next kernel start, then wait for qkv
+        if PDL:  # launched before the qkv projection ends: let the next kernel start, then wait for qkv
             gdc_launch_dependents()
             gdc_wait()
         token = tl.program_id(0).to(tl.int64)
@@ -107,7 +107,7 @@ if triton is not None:
         out1 = ((a * c).to(dtype).to(tl.float32) + (-b * s).to(dtype).to(tl.float32)).to(dtype)
         out2 = ((b * c).to(dtype).to(tl.float32) + (a * s).to(dtype).to(tl.float32)).to(dtype)
         dst = out_ptr + token * stride_o + heads * stride_oh + half
-        if WRITE_KV:  # step28: q to the output; k and v to the cache at the token's slot
+        if WRITE_KV:  # q to the output; k and v to the cache at the token's slot
             is_k = ok & (heads >= NUM_HEADS)
             tl.store(dst, out1, mask=ok & (heads < NUM_HEADS))
             tl.store(dst + HEAD_DIM // 2, out2, mask=ok & (heads < NUM_HEADS))
@@ -193,7 +193,7 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weig
                  slot_mapping: torch.Tensor | None = None, pdl: bool = False):
     """qkv [N, (heads + 2 * kv_heads) * head_dim], cos/sin [N, head_dim] -> q [N, heads, head_dim], k [N, kv_heads,
     head_dim]: normalised (when the weights are given) and rotated, one launch for both (views of one output).
-    step28: with k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] (the model's dtype) and slot_mapping
+    With k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] (the model's dtype) and slot_mapping
     [N], K and V are stored at each token's slot in the same launch, and only q is returned. pdl: launched as a
     programmatic dependent (gemv.py's pdl_supported)."""
     _need_triton("qk_norm_rope")
@@ -249,20 +249,20 @@ class TritonLayerOps:
     """The model's elementwise groups as the kernels above, one launch each; `launches` counts them."""
 
     name = "triton"
-    # step28: the most rows a step may have for its projections to run the GEMV kernel. The kernel takes up to
+    # the most rows a step may have for its projections to run the GEMV kernel. The kernel takes up to
     # gemv.MAX_ROWS, but on the H200 it beat cuBLAS only at one row (docs/data/raw/h200_step28_gemv.txt): from 2 rows
     # on, cuBLAS's tensor-core GEMM reads the weight once for all rows as the kernel does, and faster.
     gemv_max_rows = 1
 
     def __init__(self):
         self.launches = 0
-        # step28: the devices where a step of few rows runs the GEMV kernel (a test adds "cpu", under Triton's
+        # the devices where a step of few rows runs the GEMV kernel (a test adds "cpu", under Triton's
         # interpreter: there it would make every token take minutes on a real model)
         self.gemv_devices = {"cuda"}
-        self.pdl = None  # step28: whether the GEMV launches as a programmatic dependent (pdl_supported), per device
+        self.pdl = None  # whether the GEMV launches as a programmatic dependent (pdl_supported), per device
 
     def uses_pdl(self, device) -> bool:
-        """step28: whether this device launches the GEMV and q/k norm + RoPE kernels as programmatic dependents."""
+        """Whether this device launches the GEMV and q/k norm + RoPE kernels as programmatic dependents."""
         if self.pdl is None:
             self.pdl = pdl_supported(device)
         return self.pdl
@@ -281,7 +281,7 @@ class TritonLayerOps:
 
     def qk_norm_rope_write(self, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim,
                            k_cache, v_cache, k_scale, v_scale, slot_mapping):
-        """step28: one launch for q/k norm, RoPE and the cache write (an int8 cache: a second, quantising one)."""
+        """One launch for q/k norm, RoPE and the cache write (an int8 cache: a second, quantising one)."""
         if k_scale is not None:
             q, k = self.qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
             v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(qkv.shape[0], num_kv_heads, head_dim)
@@ -292,7 +292,7 @@ class TritonLayerOps:
                             k_cache, v_cache, slot_mapping, pdl=self.uses_pdl(qkv.device))
 
     def linear(self, x, weight, norm_weight=None, eps=1e-6, residual=None, silu_mul=False):
-        """step28: model.py's TorchLayerOps.linear. On CUDA with at most gemv_max_rows rows: one GEMV kernel with
+        """model.py's TorchLayerOps.linear. On CUDA with at most gemv_max_rows rows: one GEMV kernel with
         the norm in its prologue and the activation or the add in its epilogue. Otherwise the norm kernel, cuBLAS
         (on CUDA the residual added by cuBLAS itself, addmm: no kernel of its own) and the SiLU * up kernel."""
         if x.device.type in self.gemv_devices and x.shape[0] <= self.gemv_max_rows:

@@ -4,7 +4,7 @@ sampler.py's torch path spends its time on the host: about thirty operators a st
 the softmax, the key's hash, the two-level search of the draw, the log-softmax for the chosen tokens' logprobs),
 each a launch of a few microseconds of work, each paid again at batch 1. Here one kernel does all of it.
 
-step28: a program per block of a row (step21's kernel had one program per row, which at batch 1 is one of the GPU's
+A program per block of a row (step21's kernel had one program per row, which at batch 1 is one of the GPU's
 132 multiprocessors reading the whole vocabulary three times: 60 us of a 1 ms token):
 
     each block   its maximum (and first position), and two sums at that maximum: exp(logit - max) (the
@@ -45,7 +45,7 @@ if triton is not None:
     @triton.jit
     def _draw_kernel(logits_ptr, stride, params_ptr, scratch_ptr, counter_ptr, token_ptr, logprob_ptr, vocab,
                      num_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
-        """step28: program (row, block b), every block of every row at once; the last of a row's programs to finish
+        """Program (row, block b), every block of every row at once; the last of a row's programs to finish
         draws the row's token (an arrival counter, as flash decoding's merge: kernels/decode.py)."""
         row = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1)
@@ -118,7 +118,7 @@ def draw_params(temperatures: list[float], seeds: list[int], positions: list[int
                         dtype=torch.float64).reshape(-1, 4)
 
 
-_counters: dict = {}  # step28: the draw's arrival counters, one per row, per device; zeros between draws
+_counters: dict = {}  # the draw's arrival counters, one per row, per device; zeros between draws
 
 
 def draw_counters(rows: int, device: torch.device) -> torch.Tensor:

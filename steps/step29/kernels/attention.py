@@ -13,7 +13,7 @@ context] score matrix is never stored: each tile's scores live in registers and 
 Key tiles wholly below the tile's first query need no mask (phase 1); the tiles that cross the diagonal are
 masked (phase 2); tiles above the tile's last query are never read.
 
-step20: an int8 cache. Given k_scale and v_scale ([num_blocks, block_size, kv_heads] fp32, one scale per token
+An int8 cache. Given k_scale and v_scale ([num_blocks, block_size, kv_heads] fp32, one scale per token
 and KV head), the kernel loads each K/V tile as int8 (a quarter of fp32's bytes, half of bf16's) and converts it to
 q's dtype, exactly (the values are -127..127). A key's scale is one number for its whole row, so it multiplies the
 key's column of scores after q . k, and the value's scale the column of probabilities before p @ v: BLOCK_N

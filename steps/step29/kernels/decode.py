@@ -21,7 +21,7 @@ Two versions of the same math, out = softmax(q·Kᵀ · scale) · V per (sequenc
                     GROUP query heads of that KV head at once, a single pass with the online softmax) cut into
                     parts of the context, and a merge. The engine runs it for a step of decodes that splits; every
                     other step goes through kernels/attention.py's mixed kernel, so v2 itself is gone (step18).
-                    step28: given counters (decode_counters), the split and the merge are one launch: the last
+                    Given counters (decode_counters), the split and the merge are one launch: the last
                     program of each (sequence, KV head) to finish merges its heads (MERGE_LAST).
 
 All accumulation is in fp32; the output has q's dtype. On the CPU, Triton's interpreter (TRITON_INTERPRET=1) runs
@@ -49,7 +49,7 @@ with the log-sum-exp rule, rescaling every part to the common maximum M:
 This is exact (the same rescaling the online softmax does between two tiles, done between two parts), so the
 result equals the unsplit kernel's up to rounding.
 
-step20: flash_decode reads an int8 cache. Given k_scale and v_scale ([num_blocks, block_size, kv_heads] fp32, one
+flash_decode also reads an int8 cache. Given k_scale and v_scale ([num_blocks, block_size, kv_heads] fp32, one
 scale per token and KV head), the split kernel loads each K/V tile as int8 and converts it to q's dtype (exact: the
 values are -127..127); a token's scale is one number for its whole row, so it multiplies the token's column of
 scores (after q . k) and of probabilities (before p @ v) instead of its head_dim elements, then goes on as before
@@ -69,7 +69,7 @@ except ImportError:  # no Triton: the reference still works
     triton = None
 
 from .gemv import gdc_launch_dependents, gdc_wait
-from .attention import check_scales  # step20: an int8 cache's scales, checked as mixed_attention checks them
+from .attention import check_scales  # an int8 cache's scales, checked as mixed_attention checks them
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 
@@ -154,7 +154,7 @@ def decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale
     return out
 
 
-# ---- step17: flash decoding ---------------------------------------------------------------------------------
+# ---- flash decoding -----------------------------------------------------------------------------------------
 
 def choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms=132, min_tokens_per_split=256):
     """How many parts to cut each context into.
@@ -190,7 +190,7 @@ if triton is not None:
                                    stride_as, stride_ah, stride_ap,   # part_acc: [S, heads, splits, D]
                                    stride_bt,
                                    k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,  # int8: the scales
-                                   counter_ptr, num_kv_heads,         # step28: MERGE_LAST's arrival counters
+                                   counter_ptr, num_kv_heads,         # MERGE_LAST's arrival counters
                                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                                    DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr, QUANTIZED: tl.constexpr,
@@ -212,14 +212,14 @@ if triton is not None:
                 step16's paged_decode_v2 wrote them; the merge kernel is not launched.
                 Otherwise: part_m[seq, h, split], part_l[seq, h, split], part_acc[seq, h, split, :] for the
                 GROUP heads h, all fp32, m in base-2 units.
-        step28, MERGE_LAST: the merge in the same launch. After storing its part, each program adds 1 to its
+        MERGE_LAST: the merge in the same launch. After storing its part, each program adds 1 to its
                 (seq, kv_head)'s counter; the program that finds num_splits - 1 there is the last of its group: every
                 other part is stored (each program's stores come before its add, the add releases them and the last
                 add acquires them), so it merges the GROUP heads' parts as the merge kernel would, in the same
                 order, and sets the counter back to 0 for the next launch (a captured graph replays the same
                 counters). Which program comes last depends on the timing; what it computes does not.
         """
-        if PDL:  # step28: launched before the K/V write ends: let the o projection start, then wait for q, K, V
+        if PDL:  # launched before the K/V write ends: let the o projection start, then wait for q, K, V
             gdc_launch_dependents()
             gdc_wait()
         seq = tl.program_id(0)
@@ -352,7 +352,7 @@ def _launch_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, num
                          block_n, num_warps, num_stages, k_scale=None, v_scale=None, counters=None, pdl=False):
     """Grid (num_seqs, kv_heads, num_splits). parts = (part_m, part_l, part_acc), or None: then num_splits must
     be 1 and the kernel writes the normalised output to out directly (DIRECT). k_scale, v_scale: an int8 cache's
-    scales (QUANTIZED), or None. counters (step28): int32 zeros, one per (seq, kv_head): the last program of each
+    scales (QUANTIZED), or None. counters: int32 zeros, one per (seq, kv_head): the last program of each
     merges into out (MERGE_LAST) and leaves its counter at 0 again."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -382,7 +382,7 @@ def _launch_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, num
 
 
 def decode_counters(max_seqs: int, kv_heads: int, device) -> torch.Tensor:
-    """step28: the arrival counters flash_decode's one-launch merge needs, one per (sequence, KV head), zeros."""
+    """The arrival counters flash_decode's one-launch merge needs, one per (sequence, KV head), zeros."""
     return torch.zeros(max_seqs * kv_heads, dtype=torch.int32, device=device)
 
 
@@ -436,7 +436,7 @@ def flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
     iteration; with 3 stages Triton copies the next tile into shared memory while this one is computed); a
     benchmark may try others.
     k_scale, v_scale: an int8 cache's scales, [num_blocks, block_size, kv_heads] fp32 (None: q's dtype).
-    counters (step28): an int32 tensor of at least num_seqs * kv_heads zeros (decode_counters): the split and the
+    counters: an int32 tensor of at least num_seqs * kv_heads zeros (decode_counters): the split and the
     merge in one launch, the last program of each (seq, kv_head) merging its heads' parts; the counters are 0 again
     when it returns, so the same tensor serves every launch (and a captured graph). None: the two launches.
     pdl (with counters): launched as a programmatic dependent (gemv.py's pdl_supported).

@@ -1,4 +1,4 @@
-"""step28: the projections of a step with few rows (a decode at batch 1, a small verify), in one Triton kernel
+"""The projections of a step with few rows (a decode at batch 1, a small verify), in one Triton kernel
 each, with the elementwise work around them folded in.
 
 At batch 1 every weight is read once per token and used for one row: a matrix-vector product (GEMV), bound by the

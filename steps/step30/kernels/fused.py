@@ -9,15 +9,15 @@ registers, write the outputs once.
 
     add_rms_norm   residual add + RMSNorm: x + residual -> the new residual and its normalised copy, one pass
     silu_mul       SiLU(gate) * up over the [N, 2 * intermediate] output of the gate/up matmul
-    quantize_write_kv  step20: an int8 cache's write, K and V of every new token quantised (a scale per token and KV
+    quantize_write_kv  an int8 cache's write, K and V of every new token quantised (a scale per token and KV
                    head) and stored at their slots with their scales, one launch for both (model.py's write_kv is the
                    torch path: about ten operators for each of K and V)
     qk_norm_rope   Qwen3's per-head RMSNorm of q and k (Llama has none), then RoPE, on the q and k heads of the qkv
                    matmul's output viewed as [N, heads + kv_heads, head_dim]: one program per token, every head.
-                   step28: with the cache given, it also stores the token's rotated K and its V at the token's slot
+                   With the cache given, it also stores the token's rotated K and its V at the token's slot
                    (what model.py's write_kv does in two scatters), and returns q only
 
-step28: TritonLayerOps.linear, a projection with its norm, activation and residual, runs kernels/gemv.py's kernel
+TritonLayerOps.linear, a projection with its norm, activation and residual, runs kernels/gemv.py's kernel
 for a step of one row on CUDA (gemv_max_rows); a larger step runs cuBLAS beside the kernels here.
 
 Each rounds where the torch code rounds (to the model's dtype after every operator that torch runs in it), so the
@@ -74,7 +74,7 @@ if triton is not None:
 
     @triton.jit
     def _to_fp8_range(x, scale):
-        """step30: x / scale in fp32, rounded to the nearest float8 e4m3 value (ties to even) and saturated at +-448,
+        """x / scale in fp32, rounded to the nearest float8 e4m3 value (ties to even) and saturated at +-448,
         still as fp32: quant.py's quantize_fp8 (torch's cast), so that the store's conversion has nothing left to
         round. e4m3 keeps 3 bits of mantissa: a normal value (|y| >= 2^-6) is rounded by adding half of the dropped
         20 bits' range (and the kept last bit, for ties to even) to its fp32 bits and clearing them, a carry moving
@@ -99,7 +99,7 @@ if triton is not None:
         """One program per token, all its heads + kv_heads q and k heads at once ([BLOCK_H, HEAD_DIM / 2] tiles of
         each half): RMSNorm of each head over head_dim with q's or k's weight (when HAS_NORM), then the rotation of
         each (first half, second half) pair by the token's angle."""
-        if PDL:  # step28: launched before the qkv projection ends: let the next kernel start, then wait for qkv
+        if PDL:  # launched before the qkv projection ends: let the next kernel start, then wait for qkv
             gdc_launch_dependents()
             gdc_wait()
         token = tl.program_id(0).to(tl.int64)
@@ -126,7 +126,7 @@ if triton is not None:
         out1 = ((a * c).to(dtype).to(tl.float32) + (-b * s).to(dtype).to(tl.float32)).to(dtype)
         out2 = ((b * c).to(dtype).to(tl.float32) + (a * s).to(dtype).to(tl.float32)).to(dtype)
         dst = out_ptr + token * stride_o + heads * stride_oh + half
-        if WRITE_KV:  # step28: q to the output; k and v to the cache at the token's slot
+        if WRITE_KV:  # q to the output; k and v to the cache at the token's slot
             is_k = ok & (heads >= NUM_HEADS)
             tl.store(dst, out1, mask=ok & (heads < NUM_HEADS))
             tl.store(dst + HEAD_DIM // 2, out2, mask=ok & (heads < NUM_HEADS))
@@ -135,7 +135,7 @@ if triton is not None:
             kv = tl.arange(0, BLOCK_KV)[:, None]
             dims = tl.arange(0, HEAD_DIM)[None, :]
             v = tl.load(qkv_ptr + token * stride_t + (NUM_QK + kv) * HEAD_DIM + dims, mask=kv < KV_HEADS, other=0.0)
-            if FP8_KV:  # step30: quant.py's quantize_fp8, x / scale saturated at +-448, rounded to e4m3 by the store
+            if FP8_KV:  # quant.py's quantize_fp8, x / scale saturated at +-448, rounded to e4m3 by the store
                 out1 = _to_fp8_range(out1, k_scale)
                 out2 = _to_fp8_range(out2, k_scale)
                 v = _to_fp8_range(v, v_scale)
@@ -218,9 +218,9 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weig
                  v_scale: float | None = None):
     """qkv [N, (heads + 2 * kv_heads) * head_dim], cos/sin [N, head_dim] -> q [N, heads, head_dim], k [N, kv_heads,
     head_dim]: normalised (when the weights are given) and rotated, one launch for both (views of one output).
-    step28: with k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] (the model's dtype) and slot_mapping
+    With k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] (the model's dtype) and slot_mapping
     [N], K and V are stored at each token's slot in the same launch, and only q is returned. pdl: launched as a
-    programmatic dependent (gemv.py's pdl_supported). step30: a float8 e4m3 cache with its layer's k_scale and
+    programmatic dependent (gemv.py's pdl_supported). A float8 e4m3 cache with its layer's k_scale and
     v_scale (floats): K and V stored as quant.py's quantize_fp8 stores them."""
     _need_triton("qk_norm_rope")
     n = qkv.shape[0]
@@ -231,7 +231,7 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weig
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_norm_rope: give both norm weights (Qwen3) or neither (Llama)")
     write = k_cache is not None
-    fp8 = write and k_cache.dtype == torch.float8_e4m3fn  # step30
+    fp8 = write and k_cache.dtype == torch.float8_e4m3fn
     if fp8 and not all(isinstance(x, (int, float)) and x > 0 for x in (k_scale, v_scale)):
         raise ValueError(f"qk_norm_rope: a float8 cache needs k_scale and v_scale as positive floats, got {k_scale!r} "
                          f"and {v_scale!r}")
@@ -278,13 +278,13 @@ def quantize_write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
 
 
 def scaled_mm_supported(device) -> bool:
-    """step30: torch._scaled_mm with a scale per row of each operand: CUDA of compute capability 8.9 or more."""
+    """torch._scaled_mm with a scale per row of each operand: CUDA of compute capability 8.9 or more."""
     return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """step30: x [M, K] @ weight.T for an Fp8Weight, M larger than the GEMV takes. On Hopper: x quantised to e4m3
+    """x [M, K] @ weight.T for an Fp8Weight, M larger than the GEMV takes. On Hopper: x quantised to e4m3
     with one scale per row (its max |x| / 448, computed now: dynamic, per token), then one fp8 matmul on the tensor
     cores with both sets of scales applied to its fp32 sums (torch._scaled_mm). Elsewhere: the weight dequantised
     to x's dtype, then a matmul."""
@@ -299,24 +299,24 @@ class TritonLayerOps:
     """The model's elementwise groups as the kernels above, one launch each; `launches` counts them."""
 
     name = "triton"
-    # step28: the most rows a step may have for its projections to run the GEMV kernel. The kernel takes up to
+    # the most rows a step may have for its projections to run the GEMV kernel. The kernel takes up to
     # gemv.MAX_ROWS, but on the H200 it beat cuBLAS only at one row (docs/data/raw/h200_step28_gemv.txt): from 2 rows
     # on, cuBLAS's tensor-core GEMM reads the weight once for all rows as the kernel does, and faster.
     gemv_max_rows = 1
-    # step29: the same for a layer of 4-bit blocks, where the path above it dequantises the layer first. On the H200
+    # the same for a layer of 4-bit blocks, where the path above it dequantises the layer first. On the H200
     # (docs/data/raw/h200_step29_gemv.txt) the 4-bit GEMV beat dequantise + cuBLAS on every projection at 1, 2 and 4
     # rows and lost on every one at 8: its time grows with the rows, the other path's does not.
     gemv4_max_rows = 4
 
     def __init__(self):
         self.launches = 0
-        # step28: the devices where a step of few rows runs the GEMV kernel (a test adds "cpu", under Triton's
+        # the devices where a step of few rows runs the GEMV kernel (a test adds "cpu", under Triton's
         # interpreter: there it would make every token take minutes on a real model)
         self.gemv_devices = {"cuda"}
-        self.pdl = None  # step28: whether the GEMV launches as a programmatic dependent (pdl_supported), per device
+        self.pdl = None  # whether the GEMV launches as a programmatic dependent (pdl_supported), per device
 
     def uses_pdl(self, device) -> bool:
-        """step28: whether this device launches the GEMV and q/k norm + RoPE kernels as programmatic dependents."""
+        """Whether this device launches the GEMV and q/k norm + RoPE kernels as programmatic dependents."""
         if self.pdl is None:
             self.pdl = pdl_supported(device)
         return self.pdl
@@ -335,8 +335,8 @@ class TritonLayerOps:
 
     def qk_norm_rope_write(self, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim,
                            k_cache, v_cache, k_scale, v_scale, slot_mapping):
-        """step28: one launch for q/k norm, RoPE and the cache write (an int8 cache: a second, quantising one; step30:
-        a float8 cache is written by the same one launch)."""
+        """One launch for q/k norm, RoPE and the cache write (an int8 cache: a second, quantising one; a float8
+        cache is written by the same one launch)."""
         if k_cache.dtype == torch.int8:
             q, k = self.qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
             v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(qkv.shape[0], num_kv_heads, head_dim)
@@ -349,22 +349,22 @@ class TritonLayerOps:
                             k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None)
 
     def linear(self, x, weight, norm_weight=None, eps=1e-6, residual=None, silu_mul=False):
-        """step28: model.py's TorchLayerOps.linear. On CUDA with at most gemv_max_rows rows: one GEMV kernel with
+        """model.py's TorchLayerOps.linear. On CUDA with at most gemv_max_rows rows: one GEMV kernel with
         the norm in its prologue and the activation or the add in its epilogue. Otherwise the norm kernel, cuBLAS
         (on CUDA the residual added by cuBLAS itself, addmm: no kernel of its own) and the SiLU * up kernel."""
         blocks, fp8 = isinstance(weight, Q4Weight), isinstance(weight, Fp8Weight)
         if x.device.type in self.gemv_devices and x.shape[0] <= (self.gemv4_max_rows if blocks else self.gemv_max_rows):
             self.launches += 1
-            if blocks:  # step29: 4-bit blocks, dequantised in the kernel's registers
+            if blocks:  # 4-bit blocks, dequantised in the kernel's registers
                 return gemv4(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
-            if fp8:  # step30: float8 rows converted in registers, each output times its row's scale
+            if fp8:  # float8 rows converted in registers, each output times its row's scale
                 return gemv(x, weight.data, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device),
                             weight_scale=weight.scale)
             return gemv(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
-        if blocks:  # step29: more rows: the layer dequantised for this matmul, then cuBLAS
+        if blocks:  # more rows: the layer dequantised for this matmul, then cuBLAS
             self.launches += 1
             weight = dequantize4(weight, x.dtype)
-        if fp8:  # step30: more rows: x quantised per row and an fp8 matmul (Hopper), or the weight dequantised
+        if fp8:  # more rows: x quantised per row and an fp8 matmul (Hopper), or the weight dequantised
             if norm_weight is not None:
                 x = self.add_rms_norm(x, None, norm_weight, eps)[0]
             y = fp8_linear(x, weight)

@@ -13,7 +13,7 @@ context] score matrix is never stored: each tile's scores live in registers and 
 Key tiles wholly below the tile's first query need no mask (phase 1); the tiles that cross the diagonal are
 masked (phase 2); tiles above the tile's last query are never read.
 
-step20: an int8 cache. Given k_scale and v_scale ([num_blocks, block_size, kv_heads] fp32, one scale per token
+An int8 cache. Given k_scale and v_scale ([num_blocks, block_size, kv_heads] fp32, one scale per token
 and KV head), the kernel loads each K/V tile as int8 (a quarter of fp32's bytes, half of bf16's) and converts it to
 q's dtype, exactly (the values are -127..127). A key's scale is one number for its whole row, so it multiplies the
 key's column of scores after q . k, and the value's scale the column of probabilities before p @ v: BLOCK_N
@@ -34,13 +34,13 @@ except ImportError:  # no Triton: the reference still works
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernel uses exp2, the GPU's native exponential
 
 
-FP8 = torch.float8_e4m3fn  # step30: a float8 cache, one scale per layer for K and one for V
+FP8 = torch.float8_e4m3fn  # a float8 cache, one scale per layer for K and one for V
 
 
 def attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k, scale, k_scale=None,
                         v_scale=None):
     """The same math in plain torch, sequence by sequence: gather the context, causal mask, softmax in fp32.
-    An int8 cache (k_scale, v_scale given) is dequantised to q's dtype first, the whole of it; step30: a float8
+    An int8 cache (k_scale, v_scale given) is dequantised to q's dtype first, the whole of it; a float8
     cache with its two per-layer floats, likewise."""
     if k_cache.dtype == FP8:
         k_cache = (k_cache.float() * k_scale).to(q.dtype)
@@ -95,7 +95,7 @@ if triton is not None:
                 scale_slot = block.to(tl.int64) * stride_sb + (keys_pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
                 k_s = tl.load(k_scale_ptr + scale_slot)
                 v_s = tl.load(v_scale_ptr + scale_slot)
-        # int8 -> q's dtype, exact (-127..127), the scales applied to scores and probabilities below; step30: float8
+        # int8 -> q's dtype, exact (-127..127), the scales applied to scores and probabilities below; float8
         # -> q's dtype (float16 for a bf16 model), exact too, in registers; q's dtype itself: no instruction at all
         k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [BLOCK_M, BLOCK_N], in log2 units
@@ -139,7 +139,7 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
-        if FP8 and q.dtype == tl.bfloat16:  # step30: products in float16, which e4m3 converts to in one step (bf16
+        if FP8 and q.dtype == tl.bfloat16:  # products in float16, which e4m3 converts to in one step (bf16
             q = q.to(tl.float16)           # would take a second); exact for q's values, finer for the probabilities
         query_pos = ctx - q_len + token  # each row's position in its sequence: causal within the chunk
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -160,7 +160,7 @@ if triton is not None:
                                      stride_kb, stride_ks, stride_kh, kv_head, dims, k_scale_ptr, v_scale_ptr,
                                      stride_sb, stride_ss, stride_sh, BLOCK_N, BLOCK_SIZE, True, QUANTIZED)
         out = acc / tl.where(row_ok, l, 1.0)[:, None]  # padding rows saw no key: keep them finite, never stored
-        if FP8:  # step30: p @ (v8 * v_scale) = (p @ v8) * v_scale, one multiply per output element
+        if FP8:  # p @ (v8 * v_scale) = (p @ v8) * v_scale, one multiply per output element
             out = out * out_scale
         tl.store(o_ptr + (q_start + token)[:, None] * stride_on + head[:, None] * stride_oh + dims[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -202,7 +202,7 @@ def mixed_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k,
     must be contiguous); block_tables [S, max_blocks] int32; cu_seqlens_q [S + 1] int32; seq_lens_k [S] int32
     (each sequence's context including its new tokens); max_query_len: the longest row (1 for a step of decodes);
     tiles: tile_map(...) for this call's block size, if the caller built it already. k_scale, v_scale: an int8
-    cache's scales, [num_blocks, block_size, kv_heads] fp32 (None: the cache has q's dtype); step30: a float8 e4m3
+    cache's scales, [num_blocks, block_size, kv_heads] fp32 (None: the cache has q's dtype); a float8 e4m3
     cache's, one float each (its layer's). -> [N, heads, D]."""
     if triton is None:
         raise RuntimeError("mixed_attention needs Triton (pip install triton); attention_reference is the torch path")
@@ -218,10 +218,10 @@ def mixed_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k,
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("q and the caches must be contiguous in head_dim, and K and V must share strides")
     quantized = check_scales(k_cache, v_cache, k_scale, v_scale)
-    fp8 = k_cache.dtype == FP8  # step30: k_scale goes into the scores' scale, v_scale onto the output
+    fp8 = k_cache.dtype == FP8  # k_scale goes into the scores' scale, v_scale onto the output
     group = num_heads // kv_heads
     config = tile_config(max_query_len, group)
-    if (quantized or fp8) and config["block_m"] == 16:  # short rows on int8 (step30: fp8): key tiles twice as long
+    if (quantized or fp8) and config["block_m"] == 16:  # short rows on int8 or fp8: key tiles twice as long
         config.update(block_n=128, num_stages=3)  # keep as many bytes in flight per load as bf16's
         # (docs/data/tune_int8_decode.py), and spread each tile's fixed work over twice the keys (sass_step30.py)
     for name, value in dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages).items():
@@ -249,7 +249,7 @@ def mixed_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k,
 def check_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
     """-> whether the cache is int8 with its scales (True) or in the model's dtype (False); a ValueError for
     anything in between: an int8 cache needs both scale tensors, fp32 [num_blocks, block_size, kv_heads], with
-    the same strides (the kernels take one set). step30: a float8 e4m3 cache (False) needs one positive float
+    the same strides (the kernels take one set). A float8 e4m3 cache (False) needs one positive float
     scale each for K and V."""
     if k_cache.dtype == FP8 or v_cache.dtype == FP8:
         if k_cache.dtype != v_cache.dtype:

@@ -1,4 +1,4 @@
-"""step28: the projections of a step with few rows (a decode at batch 1, a small verify), in one Triton kernel
+"""The projections of a step with few rows (a decode at batch 1, a small verify), in one Triton kernel
 each, with the elementwise work around them folded in.
 
 At batch 1 every weight is read once per token and used for one row: a matrix-vector product (GEMV), bound by the
@@ -54,7 +54,7 @@ if triton is not None:
                      HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
                      scale_ptr=None, W_SCALED: tl.constexpr = False):
-        """Program p: out[:, p * BLOCK_N : (p + 1) * BLOCK_N] for every row of x. step30, W_SCALED: the weight is
+        """Program p: out[:, p * BLOCK_N : (p + 1) * BLOCK_N] for every row of x. W_SCALED: the weight is
         float8 with a scale per row (scale_ptr): converted like any tile, each output's sum times its row's scale."""
         if PDL:  # the next kernel may start now: its programs read their weights while this one finishes
             gdc_launch_dependents()
@@ -101,7 +101,7 @@ if triton is not None:
                 acc = tl.where(here[:, None], acc + tl.sum(w32 * xm, axis=1)[None, :], acc)
                 if SILU_MUL:
                     acc_up = tl.where(here[:, None], acc_up + tl.sum(u32 * xm, axis=1)[None, :], acc_up)
-        if W_SCALED:  # step30: sum_k (w8 * s_n) x_k = s_n * sum_k w8 x_k, one multiply per output
+        if W_SCALED:  # sum_k (w8 * s_n) x_k = s_n * sum_k w8 x_k, one multiply per output
             acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
             if SILU_MUL:
                 acc_up = acc_up * tl.load(scale_ptr + N + cols, mask=col_ok, other=0.0)[None, :]
@@ -149,7 +149,7 @@ def choose_config(m: int, n: int, k: int, silu_mul: bool = False) -> dict:
 def gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          residual: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None,
          pdl: bool = False, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K] -> x @ weight.T [M, N], one launch; step30: weight float8 e4m3 with
+    """x [M, K] (M <= MAX_ROWS), weight [N, K] -> x @ weight.T [M, N], one launch; weight float8 e4m3 with
     weight_scale [N] fp32, one per row (quant.py's Fp8Weight), meaning weight * weight_scale[:, None]; with norm_weight, x is first
     RMS-normalised with it (rms_norm(x, norm_weight, eps)); with silu_mul, weight is [gate; up] and the result is
     silu(x @ gate.T) * (x @ up.T) [M, N / 2]; with residual [M, N], it is added to the result. pdl (where

@@ -1,4 +1,4 @@
-"""step31: a mixture of experts' MLP in two Triton kernels, whatever the number of experts the tokens chose.
+"""A mixture of experts' MLP in two Triton kernels, whatever the number of experts the tokens chose.
 
 model.py's TorchLayerOps.moe is the loop this replaces: for each expert that got tokens, gather them, two matmuls,
 add the rows back. With E experts that is up to 2 * E small matmuls per layer (Qwen3-30B-A3B: 128 experts, 8 per

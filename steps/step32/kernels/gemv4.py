@@ -1,4 +1,4 @@
-"""step29: step28's GEMV reading 4-bit blocks (quant.py's Q4Weight), dequantised in registers.
+"""gemv.py's GEMV reading 4-bit blocks (quant.py's Q4Weight), dequantised in registers.
 
 At one row a projection's time is the bytes of its weight. A 4-bit block of 32 weights is 20 bytes (16 of nibbles,
 a float16 scale d and minimum m) where bfloat16 takes 64: 0.3125x. The kernel reads the blocks and never writes a
@@ -19,7 +19,7 @@ instructions per weight). Converting a 4-bit value to a float is one instruction
 that avoids it (EXPONENT_TRICK: the value's bits under the exponent of 2^23 make the float 2^23 + q, and one
 subtraction leaves q) measured no faster there, and is kept only for that comparison.
 
-Everything else is step28's kernel: one program per BLOCK_N output columns, every row of x (up to MAX_ROWS) at once,
+Everything else is gemv.py's kernel: one program per BLOCK_N output columns, every row of x (up to MAX_ROWS) at once,
 the RMSNorm folded (the weight times g * x summed with x's sum of squares, divided by the RMS at the end), SiLU * up
 or the residual in the epilogue, no split-K, programmatic dependent launch where supported (the blocks asked for
 before the wait, x after it).
