@@ -1,6 +1,6 @@
 """Faults injected into an engine core process (step26 on): AsyncLLM(..., _core_setup=inject_faults) calls this in
-the core once its LLM is built; the step faults alone (inject_step_faults) go into any LLM, an AsyncLLM's without a
-core (steps 23-25: inject_step_faults(engine.llm)) too. A module of its own, so that the core process (spawned: it
+the core once its EngineCore (core.py) is built; the step faults alone (inject_step_faults) go into any engine with
+a model runner, an LLM or an EngineCore (steps 23-25: inject_step_faults(engine.llm), an AsyncLLM's without a core). A module of its own, so that the core process (spawned: it
 imports what it runs) can import it by name. Requests ask for a fault by their seed:
 
 - STEP_FAILURE_SEED: every engine step that serves the request after its first token raises (inside the step: a
@@ -37,10 +37,10 @@ def device_error() -> RuntimeError:
     return getattr(torch, "AcceleratorError", RuntimeError)(DEVICE_ERROR_MESSAGE)
 
 
-def inject_step_faults(llm) -> None:
+def inject_step_faults(engine) -> None:
     """STEP_FAILURE_SEED and DEVICE_ERROR_SEED: the model runner's execute raises for a step that serves such a
     request after its first token."""
-    execute = llm.runner.execute
+    execute = engine.runner.execute
 
     def failing_execute(work, *args, **kwargs):
         if any(seq.params.seed == STEP_FAILURE_SEED and seq.output_ids for seq, _ in work):
@@ -49,30 +49,35 @@ def inject_step_faults(llm) -> None:
             raise device_error()
         return execute(work, *args, **kwargs)
 
-    llm.runner.execute = failing_execute
+    engine.runner.execute = failing_execute
 
 
-def inject_faults(llm) -> None:
-    inject_step_faults(llm)
-    add = llm._add
-    engine_core = sys.modules[type(llm).__module__]  # the step's engine_core, which built this LLM
+def _engine_core_module(core):
+    """The step's engine_core module, whose run_engine_core built this EngineCore (core.py, in the same package)."""
+    return sys.modules[type(core).__module__.rsplit(".", 1)[0] + ".engine_core"]
+
+
+def inject_faults(core) -> None:
+    inject_step_faults(core)
+    add = core.add_request
+    engine_core = _engine_core_module(core)
     failing_outputs: set[str] = set()  # the requests (as the core names them) of OUTPUT_THREAD_FAILURE_SEED
 
-    def failing_add(prompt, ids, params, *args, **kwargs):
+    def failing_add(request_id, text, ids, params, *args, **kwargs):
         if params.seed == DEATH_SEED:
             raise RuntimeError("injected failure outside a step")
-        request_id = add(prompt, ids, params, *args, **kwargs)
+        seq = add(request_id, text, ids, params, *args, **kwargs)
         if params.seed == OUTPUT_THREAD_FAILURE_SEED:
             failing_outputs.add(request_id)
-        return request_id
+        return seq
 
-    llm._add = failing_add
+    core.add_request = failing_add
     _inject_io_faults(engine_core, failing_outputs)
 
 
-def speak_another_protocol(llm) -> None:
+def speak_another_protocol(core) -> None:
     """The core's Ready states a protocol version 1000 past its own (engine_core sends its PROTOCOL_VERSION)."""
-    engine_core = sys.modules[type(llm).__module__]
+    engine_core = _engine_core_module(core)
     engine_core.PROTOCOL_VERSION += 1000
 
 

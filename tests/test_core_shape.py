@@ -1,9 +1,13 @@
-"""How a request ends is decided in one place, in every step whose engine core runs in its own process.
+"""The engine's shape, in every step whose engine core runs in its own process.
 
-The offline engine (engine.py), the engine core (engine_core.py) and the front end (async_llm.py) all end a request
-by output.py's `Finish` and its stop check: the step's files define one `class Finish` and one stop check, both in
-output.py, and output.py loads neither torch nor the engine (the front end, which imports it, runs without them).
-Read from the code (AST), nothing is run.
+One core, two front ends: core.py's EngineCore owns the scheduler, the block manager, the runner and the step; the
+offline LLM (engine.py) is a thin front end over one, and the core process (engine_core.py) a busy loop around one,
+which imports nothing from engine.py, subclasses nothing of it and calls no private name of the core.
+
+How a request ends is decided in one place: the offline engine (engine.py, core.py), the engine core process
+(engine_core.py) and the front end (async_llm.py) all end a request by output.py's `Finish` and its stop check: the
+step's files define one `class Finish` and one stop check, both in output.py, and output.py loads neither torch nor
+the engine (the front end, which imports it, runs without them). Read from the code (AST), nothing is run.
 """
 import ast
 
@@ -14,7 +18,8 @@ from registry import having, step_files
 
 CORE_STEPS = having("engine_core_process")
 STOP_CHECK_NAMES = {"check_stop", "_check_stop"}
-ENGINE_MODULES = {"engine.py", "engine_core.py"}
+ENGINE_MODULES = {"engine.py", "core.py", "engine_core.py"}
+LLM_MAX_LINES = 200  # the front end stays thin: the step is the core's
 TORCH_PACKAGES = {"torch", "triton"}
 
 
@@ -59,3 +64,52 @@ def test_output_py_loads_neither_torch_nor_the_engine(step):
     for f in loaded:
         torch = absolute_imports(f) & TORCH_PACKAGES
         assert not torch, f"steps/{step}/{f.name} (loaded by output.py) imports {sorted(torch)}"
+
+
+def module(step: str, name: str) -> ast.Module:
+    path = ROOT / "steps" / step / name
+    return ast.parse(path.read_text(), str(path))
+
+
+@pytest.mark.parametrize("step", CORE_STEPS)
+def test_the_core_process_runs_the_engine_core_not_the_offline_engine(step):
+    """engine_core.py imports nothing from engine.py (only core.py's EngineCore), and none of its classes derives from
+    one of engine.py's."""
+    tree = module(step, "engine_core.py")
+    from_engine = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level
+                   and node.module in ("engine", None) and (node.module or any(a.name == "engine" for a in node.names))]
+    assert not from_engine, f"steps/{step}/engine_core.py imports engine.py (line {from_engine})"
+    assert any(isinstance(node, ast.ImportFrom) and node.level and node.module == "core"
+               and any(a.name == "EngineCore" for a in node.names) for node in tree.body), \
+        f"steps/{step}/engine_core.py does not import core.py's EngineCore"
+    engine_classes = {node.name for node in module(step, "engine.py").body if isinstance(node, ast.ClassDef)}
+    derived = [node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+               and any(isinstance(b, ast.Name) and b.id in engine_classes for b in node.bases)]
+    assert not derived, f"steps/{step}/engine_core.py derives {derived} from engine.py's classes"
+
+
+@pytest.mark.parametrize("step", CORE_STEPS)
+def test_the_core_process_calls_no_private_name_of_the_core(step):
+    """The busy loop reaches the EngineCore through its public methods and attributes only (core.x, self.core.x with
+    x not starting with an underscore)."""
+    tree = module(step, "engine_core.py")
+    private = sorted({f"{ast.unparse(node.value)}.{node.attr}" for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                      and ast.unparse(node.value) in ("core", "self.core")})
+    assert not private, f"steps/{step}/engine_core.py reaches into the core: {private}"
+
+
+@pytest.mark.parametrize("step", CORE_STEPS)
+def test_the_offline_engine_is_a_thin_front_end_over_the_core(step):
+    """LLM (engine.py) holds no step: it builds an EngineCore and is at most LLM_MAX_LINES lines; the step's methods
+    (step, _step_async, _launch, _read_step, _fail_step, _record_tokens) are EngineCore's, in core.py."""
+    llm = next(node for node in module(step, "engine.py").body if isinstance(node, ast.ClassDef) and node.name == "LLM")
+    lines = llm.end_lineno - llm.lineno + 1
+    assert lines <= LLM_MAX_LINES, f"steps/{step}/engine.py: LLM is {lines} lines (at most {LLM_MAX_LINES})"
+    core = next(node for node in module(step, "core.py").body
+                if isinstance(node, ast.ClassDef) and node.name == "EngineCore")
+    step_methods = {"step", "_step_async", "_launch", "_read_step", "_fail_step", "_record_tokens"}
+    core_methods = {node.name for node in core.body if isinstance(node, ast.FunctionDef)}
+    assert step_methods <= core_methods, f"steps/{step}/core.py's EngineCore lacks {sorted(step_methods - core_methods)}"
+    llm_methods = {node.name for node in llm.body if isinstance(node, ast.FunctionDef)}
+    assert not (step_methods - {"step"}) & llm_methods, f"steps/{step}/engine.py's LLM still runs the step itself"

@@ -163,10 +163,11 @@ def test_an_ordinary_step_error_fails_only_the_requests_of_that_step(step):
 @pytest.mark.parametrize("where", ["launch", "read"])
 @pytest.mark.parametrize("step", STEPS)
 def test_a_failed_step_leaves_no_step_in_flight(step, where):
-    """The core's LLM in the overlapped loop: a step whose launch (the forward) or read (the sampled tokens of the
-    step before) raises drops every request it served and leaves no step in flight, whose results a later step
-    would read; the next request is served as on a fresh engine."""
-    llm = step_module(step, "engine_core")._CoreLLM(TINY, async_scheduling=True, **OPTIONS)
+    """The EngineCore (core.py, which the core process runs) in the overlapped loop, driven here through the offline
+    LLM over it: a step whose launch (the forward) or read (the sampled tokens of the step before) raises drops every
+    request it served and leaves no step in flight, whose results a later step would read; the next request is
+    served as on a fresh engine."""
+    llm = load_engine(step).LLM(TINY, async_scheduling=True, **OPTIONS)
     try:
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         llm.add_request(PROMPTS[0], params)

@@ -592,21 +592,27 @@ def test_a_request_preempted_right_after_it_drafted_resumes_with_step26s_tokens(
     options = dict(max_kv_tokens=160, block_size=4, max_num_seqs=8)
     want = load_engine(BEFORE).LLM(QWEN, **{**OPTIONS, **options}).generate(prompts, params)
     llm = spec_llm(**options)
-    drafted_last_step, preempted_after_drafting = set(), []
-    propose, preempt = llm._propose, llm.scheduler.preempt
+    # the scheduler's public calls: schedule() starts a step (and may preempt), postprocess_verified() ends a verify
+    verified_now, verified_last_step, preempted_after_drafting = set(), set(), []
+    sched = llm.scheduler
+    schedule, postprocess_verified, preempt = sched.schedule, sched.postprocess_verified, sched.preempt
 
-    def spy_propose(work):
-        spec = propose(work)
-        drafted_last_step.clear()
-        drafted_last_step.update(work[i][0].request_id for i in spec)
-        return spec
+    def spy_schedule(*args, **kwargs):
+        verified_last_step.clear()
+        verified_last_step.update(verified_now)
+        verified_now.clear()
+        return schedule(*args, **kwargs)
+
+    def spy_postprocess_verified(verified):
+        verified_now.update(seq.request_id for seq, _ in verified)
+        return postprocess_verified(verified)
 
     def spy_preempt(request):
-        if request.request_id in drafted_last_step:
+        if request.request_id in verified_last_step:
             preempted_after_drafting.append(request.request_id)
         preempt(request)
 
-    llm._propose, llm.scheduler.preempt = spy_propose, spy_preempt
+    sched.schedule, sched.postprocess_verified, sched.preempt = spy_schedule, spy_postprocess_verified, spy_preempt
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert preempted_after_drafting, (llm.scheduler.num_preemptions, llm.stats)

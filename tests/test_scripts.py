@@ -150,8 +150,9 @@ LAYERS = [
     {"model_runner", "attention"},  # the runner and the attention backends that build its metadata
     {"config"},  # the engine's options, checked once (EngineConfig; step25 on): it imports the runner's CPU default
     {"worker"},  # a rank's build and the tensor-parallel worker processes (step22 on)
-    {"engine"},
-    {"engine_core"},  # the engine core process around the engine (step26 on)
+    {"core"},  # EngineCore: the scheduler, the block manager, the runner and the step (step26 on)
+    {"engine"},  # the offline front end (LLM), over an EngineCore from step26 on
+    {"engine_core"},  # the engine core process: a busy loop around an EngineCore (step26 on)
     {"async_llm"},  # the streaming engine (step23 on)
     {"serve", "bench_serve", "run", "__init__"},  # what a user runs, and the package's own file
 ]

@@ -48,6 +48,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
+    cumulative_logprobs: list[float] | None = None  # after each output token, kept if a front end asks
     finish: Finish | None = None  # set once the sequence has finished
     status: SequenceStatus = SequenceStatus.WAITING  # set by the scheduler
     detokenizer: IncrementalDetokenizer | None = None  # the output text so far, grown token by token

@@ -1,7 +1,7 @@
 """The engine core in its own process. vLLM V1's split: the front end (async_llm.py's AsyncLLM, and the
 server around it) keeps the tokenizer, the incremental detokenizer, stop strings and the callers' streams; the
-EngineCore, here, keeps the scheduler and the model runner (the offline LLM of engine.py, with step25's overlap,
-and its tensor-parallel workers as its children) and runs nothing but a busy loop:
+EngineCore (core.py: the scheduler, the block manager and the model runner, with the overlapped order and the
+tensor-parallel workers as this process's children) runs here in nothing but a busy loop (EngineCoreProc):
 
     pull inputs (adds, aborts) -> one step -> push outputs
 
@@ -14,15 +14,15 @@ The messages it reads and sends are wire.py's (typed msgspec Structs, never a pi
 in; Ready once it is built (wire.py's PROTOCOL_VERSION and the limits the front end checks a request against),
 Outputs (each step's deltas: a request's new tokens only), Stats and Error out. The core checks EOS, stop token ids
 and max_tokens (no text needed: output.check_stop without a detokenizer); stop strings are the front end's, which
-decodes the text and aborts the request when one appears. The core runs the offline engine with its stop strings
-removed (_CoreLLM: no text is decoded in this process).
-A delta carries the cumulative logprob after each of its tokens (wire.py says why); _CoreLLM keeps them
-until a delta takes them.
+decodes the text and aborts the request when one appears. The core's sequences have no detokenizer: no text is
+decoded in this process.
+A delta carries the cumulative logprob after each of its tokens (wire.py says why): each of the core's sequences
+keeps them (Sequence.cumulative_logprobs), and a delta takes those after the tokens already sent.
 
 A message that fails to decode is an Error named in the core's log (stderr), and the core serves on. An ordinary
-error in a step fails the request that failed it alone (LLM._fail_step: the requests of a step of several are put
-back, each to run alone until it gets a token, so that a request whose own inputs fail a step fails alone), and the
-core serves on. The core dies when it can no longer serve:
+error in a step fails the request that failed it alone (EngineCore._fail_step: the requests of a step of several
+are put back, each to run alone until it gets a token, so that a request whose own inputs fail a step fails alone),
+and the core serves on. The core dies when it can no longer serve:
 an IO thread died (it no longer hears the front end, or can no longer answer it), a step raised a device error
 (CUDA's errors are sticky: every later step would fail too), or its loop failed outside a step. It then sends a
 fatal Error (if its output thread still can) and exits with status 1; the front end ends every open stream. The
@@ -43,10 +43,11 @@ import msgspec
 import torch
 import zmq
 
+from shared import Tokenizer
 from shared.threads import threads_cpu_s
 
-from .engine import LLM
-from .output import Finish, check_stop
+from .config import EngineConfig
+from .core import EngineCore
 from .wire import PROTOCOL_VERSION, Abort, Add, Delta, Error, GetStats, Outputs, Ready, Stats, ToCore
 
 
@@ -69,50 +70,35 @@ def is_device_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(marker in str(error) for marker in DEVICE_ERROR_MARKERS)
 
 
-class _CoreLLM(LLM):
-    """The offline engine as the core runs it: it stops on EOS, stop token ids and max_tokens, and decodes no text
-    (stop strings and text are the front end's). A step that fails leaves no step in flight, as every LLM's does
-    (LLM._step_async; its requests, and those of the step in flight, fail as one step: LLM._fail_step).
-    It keeps the cumulative logprob after each new token until a delta takes it (unsent_cumulative)."""
+class EngineCoreProc:
+    """The busy loop over an EngineCore, fed and drained by queues (the IO threads own the sockets)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.unsent_cumulative: dict[str, list[float]] = {}  # request id -> after each token not sent yet
-
-    def _finish_at(self, r, last: int, num_outputs: int) -> Finish | None:
-        """Called once for each new token, after its logprob is counted."""
-        self.unsent_cumulative.setdefault(r.request_id, []).append(r.cumulative_logprob)
-        return check_stop(r.params, last, num_outputs, self.tokenizer.eos_token_ids)  # no detokenizer: tokens only
-
-
-class EngineCore:
-    """The busy loop over an LLM, fed and drained by queues (the IO threads own the sockets)."""
-
-    def __init__(self, llm: LLM):
-        self.llm = llm
+    def __init__(self, core: EngineCore):
+        self.core = core
         self.inputs: queue.SimpleQueue = queue.SimpleQueue()  # decoded messages, from the input thread
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # messages to encode and send, to the output thread
         self.sent: dict[str, int] = {}  # request_id -> output tokens already sent (a delta starts there)
+        self.cumulative: dict[str, list[float]] = {}  # request_id -> its cumulative logprob after each output token
         self.stats = {"steps": 0, "failed_steps": 0, "aborted": 0, "bad_messages": 0}
 
     def state(self) -> dict:
         """What a Stats message carries: the queues, the KV pool, the requests in a step launched and not read yet
         (in_flight: async_scheduling), this process's CPU seconds (by thread too), its torch host threads, the time
-        by phase, the engine's own counters (engine: LLM.stats), and the core's counters."""
-        llm = self.llm
-        return {"running": len(llm.scheduler.running), "waiting": len(llm.scheduler.waiting),
-                "free_blocks": llm.block_manager.num_free_blocks, "num_blocks": llm.block_manager.num_blocks,
+        by phase, the engine's own counters (engine: EngineCore.stats), and the core's counters."""
+        core = self.core
+        return {"running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting),
+                "free_blocks": core.block_manager.num_free_blocks, "num_blocks": core.block_manager.num_blocks,
                 "requests": len(self.sent), "core_cpu_s": time.process_time(), "core_pid": os.getpid(),
-                "in_flight": len(llm.in_flight.seqs) if llm.in_flight is not None else 0,
-                "phase_s": dict(llm.timers.seconds), "threads_cpu_s": threads_cpu_s(),
-                "torch_threads": torch.get_num_threads(), "engine": dict(llm.stats), **self.stats}
+                "in_flight": len(core.in_flight.seqs) if core.in_flight is not None else 0,
+                "phase_s": dict(core.timers.seconds), "threads_cpu_s": threads_cpu_s(),
+                "torch_threads": torch.get_num_threads(), "engine": dict(core.stats), **self.stats}
 
     def run_busy_loop(self) -> None:
         """Pull, step, push, until the process ends. Raises CoreFatalError when the core cannot serve on."""
-        llm = self.llm
+        core = self.core
         while True:
             # pull: block only when there is nothing to step
-            block = not llm.has_unfinished_requests()
+            block = not core.has_unfinished_requests()
             while True:
                 try:
                     msg = self.inputs.get(block=block, timeout=0.5 if block else None)  # a signal can still land
@@ -122,20 +108,20 @@ class EngineCore:
                     raise msg
                 self._handle(msg)
                 block = False
-            if not llm.has_unfinished_requests():
+            if not core.has_unfinished_requests():
                 continue
             try:
-                finished = {out.request_id: out for out in llm.step()}  # the offline step: only finished outputs
-            except Exception as e:  # a request that failed a step alone was dropped (LLM._fail_step): it gets the
-                # error; the requests of a step of several were put back, each to run alone
+                finished = {out.request_id: out for out in core.step()}  # only finished outputs
+            except Exception as e:  # a request that failed a step alone was dropped (EngineCore._fail_step): it
+                # gets the error; the requests of a step of several were put back, each to run alone
                 if is_device_error(e):  # every later step would fail too
                     raise CoreFatalError(f"a device error in a step: {type(e).__name__}: {e}") from e
                 self.stats["failed_steps"] += 1
-                dropped = [rid for rid in self.sent if rid not in llm.scheduler.requests]
+                dropped = [rid for rid in self.sent if rid not in core.scheduler.requests]
                 message = f"the engine step failed: {type(e).__name__}: {e}"
                 for rid in dropped:
                     del self.sent[rid]
-                    llm.unsent_cumulative.pop(rid, None)
+                    self.cumulative.pop(rid, None)
                 self.outputs.put(Outputs([Delta(rid, 0, [], None, [], "error", None, message) for rid in dropped]))
                 continue
             self.stats["steps"] += 1
@@ -146,7 +132,7 @@ class EngineCore:
     def deltas(self, finished: dict) -> list[Delta]:
         """What each request got since the last message: read from its sequence (the tokens after those sent), so
         no request's whole output is copied per step, in this process or on the wire."""
-        deltas, requests, cumulative = [], self.llm.scheduler.requests, self.llm.unsent_cumulative
+        deltas, requests, cumulative = [], self.core.scheduler.requests, self.cumulative
         for rid, sent in list(self.sent.items()):
             out = finished.get(rid)
             if out is not None:  # finished in this step: its last tokens, and why it ended
@@ -154,7 +140,7 @@ class EngineCore:
                 del self.sent[rid]
                 stop_reason = c.stop_reason if isinstance(c.stop_reason, int) else None
                 logprobs = c.logprobs[sent:] if c.logprobs is not None else None
-                deltas.append(Delta(rid, sent, c.token_ids[sent:], logprobs, cumulative.pop(rid, []),
+                deltas.append(Delta(rid, sent, c.token_ids[sent:], logprobs, cumulative.pop(rid)[sent:],
                                     c.finish_reason, stop_reason))
                 continue
             seq = requests.get(rid)
@@ -162,23 +148,24 @@ class EngineCore:
             if known > sent:  # running, with tokens read since the last message (PENDING places are not read)
                 self.sent[rid] = known
                 logprobs = seq.logprobs[sent:known] if seq.logprobs is not None else None
-                deltas.append(Delta(rid, sent, seq.output_ids[sent:known], logprobs, cumulative.pop(rid, [])))
+                deltas.append(Delta(rid, sent, seq.output_ids[sent:known], logprobs, cumulative[rid][sent:known]))
         return deltas
 
     def _handle(self, msg) -> None:
-        llm = self.llm
+        core = self.core
         if isinstance(msg, Add):
-            try:
-                llm._add(None, msg.prompt_ids, msg.params.sampling_params(), request_id=msg.request_id)
+            try:  # no detokenizer: its stop checks read its tokens only (stop strings are the front end's)
+                seq = core.add_request(msg.request_id, None, msg.prompt_ids, msg.params.sampling_params())
+                self.cumulative[msg.request_id] = seq.cumulative_logprobs = []  # the core appends to it
                 self.sent[msg.request_id] = 0
             except ValueError as e:
                 self.outputs.put(Outputs([Delta(msg.request_id, 0, [], None, [], "error", None, str(e))]))
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
-                if llm.abort_request(rid) is not None:
+                if core.abort_request(rid) is not None:
                     self.stats["aborted"] += 1
                 self.sent.pop(rid, None)
-                llm.unsent_cumulative.pop(rid, None)
+                self.cumulative.pop(rid, None)
             if msg.reply:  # after the blocks are free
                 self.outputs.put(Stats(msg.reply, self.state()))
         elif isinstance(msg, GetStats):
@@ -195,7 +182,7 @@ def host_threads_for(device: torch.device) -> int | None:
     return 1
 
 
-def _input_thread(sock: zmq.Socket, core: EngineCore) -> None:
+def _input_thread(sock: zmq.Socket, core: EngineCoreProc) -> None:
     """Receive and decode the front end's messages into the inputs queue. If this thread dies, the core hears
     nothing more (no request, no abort): it tells the busy loop, which dies."""
     decoder = msgspec.msgpack.Decoder(ToCore)
@@ -215,7 +202,7 @@ def _input_thread(sock: zmq.Socket, core: EngineCore) -> None:
         core.inputs.put(_io_failure("input", e))
 
 
-def _output_thread(sock: zmq.Socket, core: EngineCore) -> None:
+def _output_thread(sock: zmq.Socket, core: EngineCoreProc) -> None:
     """Encode and send what the busy loop puts in the outputs queue, until it puts None. If this thread dies, no
     output reaches the front end any more: it sends the fatal Error itself (if the socket still takes one) and tells
     the busy loop, which dies."""
@@ -251,17 +238,17 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _exit_cleanly(signum, frame) -> None:
-    raise SystemExit(0)  # in the main thread (the busy loop): its finally shuts the LLM and its workers down
+    raise SystemExit(0)  # in the main thread (the busy loop): its finally shuts the core and its workers down
 
 
 def run_engine_core(model: str, engine_options: dict, input_addr: str, output_addr: str, parent_pid: int,
                     setup=None) -> None:
-    """The core process's entry point: connect the sockets, build the LLM, say Ready (or the Error that stopped the
-    build), then run the busy loop until the process ends. A loop that dies sends a fatal Error first, and the
-    process exits with status 1. `setup`, if given, is a module-level function called with the LLM once it is built
-    (the tests inject faults with it)."""
+    """The core process's entry point: connect the sockets, build the EngineCore (its options checked as the offline
+    LLM checks them: EngineConfig), say Ready (or the Error that stopped the build), then run the busy loop until the
+    process ends. A loop that dies sends a fatal Error first, and the process exits with status 1. `setup`, if given,
+    is a module-level function called with the EngineCore once it is built (the tests inject faults with it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front end decides
-    signal.signal(signal.SIGTERM, _exit_cleanly)  # the front end's stop: the loop ends, the LLM shuts down
+    signal.signal(signal.SIGTERM, _exit_cleanly)  # the front end's stop: the loop ends, the core shuts down
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent watch", daemon=True).start()
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -269,12 +256,13 @@ def run_engine_core(model: str, engine_options: dict, input_addr: str, output_ad
     out.connect(output_addr)
     encoder = msgspec.msgpack.Encoder()
     try:
-        llm = _CoreLLM(model, **engine_options)
-        threads = host_threads_for(llm.device)
+        config = EngineConfig(model=model, **engine_options)
+        core = EngineCore(config, Tokenizer(config.model_dir))
+        threads = host_threads_for(core.device)
         if threads is not None:
             torch.set_num_threads(threads)
         if setup is not None:
-            setup(llm)
+            setup(core)
     except BaseException as e:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # exiting already: a stop now must not raise in the exit's cleanup
         kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
@@ -282,29 +270,29 @@ def run_engine_core(model: str, engine_options: dict, input_addr: str, output_ad
                                       f"the engine core failed to start: {type(e).__name__}: {e}", True, kind)))
         out.close(linger=2000)
         return
-    core = EngineCore(llm)
-    bm = llm.block_manager
-    out.send(encoder.encode(Ready(PROTOCOL_VERSION, llm.model.config.vocab_size, llm.max_model_len, bm.num_blocks,
-                                  bm.block_size, llm.max_logprobs)))
-    threading.Thread(target=_input_thread, args=(inp, core), name="core input", daemon=True).start()
-    writer = threading.Thread(target=_output_thread, args=(out, core), name="core output", daemon=True)
+    proc = EngineCoreProc(core)
+    bm = core.block_manager
+    out.send(encoder.encode(Ready(PROTOCOL_VERSION, core.model.config.vocab_size, config.max_model_len, bm.num_blocks,
+                                  bm.block_size, config.max_logprobs)))
+    threading.Thread(target=_input_thread, args=(inp, proc), name="core input", daemon=True).start()
+    writer = threading.Thread(target=_output_thread, args=(out, proc), name="core output", daemon=True)
     writer.start()
     died = False
     try:
-        core.run_busy_loop()
+        proc.run_busy_loop()
     except SystemExit:  # SIGTERM: stopped, not dead
         pass
     except BaseException as e:
         died = True
         traceback.print_exc()
         why = str(e) if isinstance(e, CoreFatalError) else f"its loop failed: {type(e).__name__}: {e}"
-        core.outputs.put(Error(why, fatal=True))
+        proc.outputs.put(Error(why, fatal=True))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # exiting already: a stop now must not raise in the shutdown
-        core.outputs.put(None)
+        proc.outputs.put(None)
         writer.join(timeout=5)
         try:
-            llm.shutdown()
+            core.shutdown()
         except Exception:  # noqa: BLE001 (after a device error, waiting for the device fails too)
             traceback.print_exc()
         out.close(linger=2000)
