@@ -20,6 +20,7 @@ CORE_STEPS = having("engine_core_process")
 STOP_CHECK_NAMES = {"check_stop", "_check_stop"}
 ENGINE_MODULES = {"engine.py", "core.py", "engine_core.py"}
 LLM_MAX_LINES = 200  # the front end stays thin: the step is the core's
+FUNCTION_MAX_LINES = 60  # a function a reader takes in at once (kernels/ aside: a kernel is read as one piece)
 TORCH_PACKAGES = {"torch", "triton"}
 
 
@@ -113,3 +114,14 @@ def test_the_offline_engine_is_a_thin_front_end_over_the_core(step):
     assert step_methods <= core_methods, f"steps/{step}/core.py's EngineCore lacks {sorted(step_methods - core_methods)}"
     llm_methods = {node.name for node in llm.body if isinstance(node, ast.FunctionDef)}
     assert not (step_methods - {"step"}) & llm_methods, f"steps/{step}/engine.py's LLM still runs the step itself"
+
+
+@pytest.mark.parametrize("step", CORE_STEPS)
+def test_no_function_outside_the_kernels_is_over_60_lines(step):
+    folder = ROOT / "steps" / step
+    long = [f"{f.relative_to(folder).as_posix()}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for f in sorted(folder.rglob("*.py")) if "kernels" not in f.relative_to(folder).parts
+            for node in ast.walk(ast.parse(f.read_text(), str(f)))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > FUNCTION_MAX_LINES]
+    assert not long, f"steps/{step}: functions over {FUNCTION_MAX_LINES} lines: {long}"

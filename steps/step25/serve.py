@@ -379,6 +379,23 @@ class Server:
             await stream.aclose()  # a client gone mid-stream: generate()'s finally aborts the request
         yield "data: [DONE]\n\n"
 
+    async def handle(self, request: Request, chat: bool):
+        """One request to /v1/completions or /v1/chat/completions: its response, streamed (SSE) or whole."""
+        body, ignored = parse_body(await request.body())
+        self.check_model(body)
+        streamed, include_usage = streaming(body)
+        request_id, stream, prompt_tokens, sp = self.start(body, chat)
+        # the names as sent, but a header holds printable ASCII only: the rest percent-encoded
+        names = quote(",".join(ignored), safe=",", errors="backslashreplace")
+        headers = {"x-ignored-fields": names} if ignored else {}
+        if streamed:
+            return StreamingResponse(self.sse(request_id, stream, prompt_tokens, sp, chat, include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        out = await self.complete(stream, request.is_disconnected)
+        if out is None or out.outputs[0].finish_reason == "abort":  # the client went away: nobody reads this
+            raise APIError(499, "the client closed the request", kind="client_closed")
+        return JSONResponse(self.response(request_id, out, prompt_tokens, sp, chat), headers=headers)
+
 
 class RequireKey:
     """ASGI middleware: with a key set, every request but /health needs it (401, in OpenAI's shape), before any route
@@ -407,7 +424,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
 
     # no API docs pages (/docs, /redoc, /openapi.json): the handlers read their bodies themselves, so the schema
     # would show no field, and with a key set it would be one more page to guard
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, title="llm-steps step24", lifespan=lifespan)
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, title="llm-steps", lifespan=lifespan)
     app.state.server = server
 
     # Every handler raises its errors; these turn them into OpenAI's shape, in one place.
@@ -442,29 +459,13 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
     async def models():
         return JSONResponse(server.models())
 
-    async def completion(request: Request, chat: bool):
-        body, ignored = parse_body(await request.body())
-        server.check_model(body)
-        streamed, include_usage = streaming(body)
-        request_id, stream, prompt_tokens, sp = server.start(body, chat)
-        # the names as sent, but a header holds printable ASCII only: the rest percent-encoded
-        names = quote(",".join(ignored), safe=",", errors="backslashreplace")
-        headers = {"x-ignored-fields": names} if ignored else {}
-        if streamed:
-            return StreamingResponse(server.sse(request_id, stream, prompt_tokens, sp, chat, include_usage),
-                                     media_type="text/event-stream", headers=headers)
-        out = await server.complete(stream, request.is_disconnected)
-        if out is None or out.outputs[0].finish_reason == "abort":  # the client went away: nobody reads this
-            raise APIError(499, "the client closed the request", kind="client_closed")
-        return JSONResponse(server.response(request_id, out, prompt_tokens, sp, chat), headers=headers)
-
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await completion(request, chat=False)
+        return await server.handle(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await completion(request, chat=True)
+        return await server.handle(request, chat=True)
 
     return app
 

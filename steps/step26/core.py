@@ -157,6 +157,11 @@ class EngineCore:
         partial=True also each request that got a token and goes on. An idle core returns []."""
         if self.async_scheduling and not self.scheduler.num_suspects:  # step23's suspects run in synchronous steps
             return self._step_async(partial)
+        return self._step_sync(partial)
+
+    def _step_sync(self, partial: bool) -> list[RequestOutput]:
+        """A synchronous step: schedule, one forward, one sampler call, and the tokens read before the next step is
+        scheduled; then what is done is finished."""
         timer = self.timers.phase
         with timer("schedule"):
             work = self.scheduler.schedule()  # [(sequence, tokens to compute)]: decodes and chunks alike

@@ -31,25 +31,34 @@ from .parallel import TensorParallel
 from .sequence import Sequence
 
 
+def describe_graphs(cuda_graphs: dict) -> str:
+    """The CUDA graphs' part of the engine's line: the decode batches captured, or why none."""
+    if not cuda_graphs["enabled"]:
+        return f"CUDA graphs: off, eager ({cuda_graphs['reason']})"
+    sizes = cuda_graphs["sizes"]
+    return (f"CUDA graphs: {len(sizes)} captured (decode batches of {', '.join(map(str, sizes[:5]))}"
+            f"{' .. ' + str(sizes[-1]) if len(sizes) > 5 else ''}), replayed for steps of decodes")
+
+
+def describe_scheduling(config: EngineConfig) -> str:
+    """The scheduling's part of the engine's line: overlapped (async) or not."""
+    if not config.async_scheduling:
+        return "scheduling: sync (each step's tokens read before the next step is scheduled)"
+    return ("scheduling: async (step N + 1 launched before step N's tokens are read"
+            f"{'; one stream on the CPU: the order, no overlap' if config.device.type != 'cuda' else ''})")
+
+
 def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict, tp: TensorParallel) -> str:
     """The engine in one line (llm.backend, which run.py prints): what the config asked for and what the build found
     (the KV pool's blocks and dtype and what sized it, the CUDA graphs captured or why none, the tensor split;
     the drafts, and the verify steps' graphs)."""
-    if cuda_graphs["enabled"]:
-        sizes = cuda_graphs["sizes"]
-        graphs = (f"CUDA graphs: {len(sizes)} captured (decode batches of {', '.join(map(str, sizes[:5]))}"
-                  f"{' .. ' + str(sizes[-1]) if len(sizes) > 5 else ''}), replayed for steps of decodes")
-    else:
-        graphs = f"CUDA graphs: off, eager ({cuda_graphs['reason']})"
+    graphs = describe_graphs(cuda_graphs)
     c = model.config
     split = (f"tensor parallel: {tp.size} ranks ({tp.backend}), each {c.num_heads} heads / "
              f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
              if tp.size > 1 else "tensor parallel: off (1 rank)")
     kv = memory["kv_dtype"] + (" + an fp32 scale per token and KV head" if config.kv_cache_dtype == "int8" else "")
-    scheduling = ("scheduling: async (step N + 1 launched before step N's tokens are read"
-                  f"{'; one stream on the CPU: the order, no overlap' if config.device.type != 'cuda' else ''})"
-                  if config.async_scheduling else
-                  "scheduling: sync (each step's tokens read before the next step is scheduled)")
+    scheduling = describe_scheduling(config)
     spec = config.speculative_config
     verify_sizes = cuda_graphs.get("verify_sizes")
     verify_graphs = (f"verify steps of up to {verify_sizes[-1]} requests replayed from {len(verify_sizes)} graphs "

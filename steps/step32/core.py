@@ -204,6 +204,11 @@ class EngineCore:
                 raise
         if self.async_scheduling and not drafting and not self.scheduler.num_suspects:  # step23's suspects: in sync
             return self._step_async(partial)
+        return self._step_sync(partial, drafting)
+
+    def _step_sync(self, partial: bool, drafting: bool = False) -> list[RequestOutput]:
+        """A synchronous step: schedule, one forward, one sampler call, and the tokens read before the next step is
+        scheduled; then what is done is finished."""
         timer = self.timers.phase
         with timer("schedule"):
             work = self.scheduler.schedule()  # [(sequence, tokens to compute)]: decodes and chunks alike
