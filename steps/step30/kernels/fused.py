@@ -84,8 +84,10 @@ if triton is not None:
         bits = y.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 = 0xFFF00000: sign, exponent, 3 bits
         normal = rounded.to(tl.float32, bitcast=True)
-        small = (tl.abs(y) + 24576.0) - 24576.0
-        r = tl.where(tl.abs(y) < 0.015625, tl.where(bits < 0, -small, small), normal)  # the sign kept, -0 too
+        # the sign put back by its bit, so that a negative value rounded to zero stays -0 as torch's cast keeps it
+        # (a negation compiled as 0 - x would give +0)
+        small = ((tl.abs(y) + 24576.0) - 24576.0).to(tl.int32, bitcast=True) | (bits & -2147483648)
+        r = tl.where(tl.abs(y) < 0.015625, small.to(tl.float32, bitcast=True), normal)
         return tl.minimum(tl.maximum(r, -448.0), 448.0)
 
     @triton.jit
