@@ -125,3 +125,16 @@ def test_no_function_outside_the_kernels_is_over_60_lines(step):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > FUNCTION_MAX_LINES]
     assert not long, f"steps/{step}: functions over {FUNCTION_MAX_LINES} lines: {long}"
+
+
+@pytest.mark.parametrize("step", CORE_STEPS)
+def test_the_core_gets_tokens_from_the_runner_never_logits(step):
+    """The runner runs the forward and the draws (execute_model) and hands back tokens: core.py imports no torch (it
+    holds no tensor) and calls none of the runner's logits-level methods (execute, sample, launch_sample, verify)."""
+    tree = module(step, "core.py")
+    assert not absolute_imports(ROOT / "steps" / step / "core.py") & TORCH_PACKAGES, f"steps/{step}/core.py imports torch"
+    logits_level = {"execute", "sample", "launch_sample", "verify"}
+    calls = sorted({node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == "self.runner"
+                    and node.func.attr in logits_level})
+    assert not calls, f"steps/{step}/core.py calls the runner's {calls}: it would hold logits"

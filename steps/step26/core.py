@@ -45,14 +45,11 @@ import time
 import weakref
 from types import SimpleNamespace
 
-import torch
-
 from shared import RequestMetrics, RequestOutput, SamplingParams, Tokenizer
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .model_runner import to_device
 from .output import Finish, check_stop
 from .parallel import TensorParallel, WorkerError, rank_device
 from .sampler import request_seed
@@ -174,19 +171,16 @@ class EngineCore:
             self.stats["decode_steps"] += bool(decodes)
             self.stats["decode_rows"] += decodes
             self.stats["prefill_chunks"] += len(work) - decodes
+        # Decodes get a token; a chunk gets one only if it reaches its prompt's last token (its logits are the next
+        # token's), otherwise its row is dropped.
+        rows = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n == seq.num_tokens]
+        sampled = [scheduled[i] for i in rows]
         try:
-            logits = self.runner.execute(work)  # one row per scheduled sequence, in that order
+            launched = self.runner.execute_model(work, rows)  # the forward and one sampler call for the batch
             with timer("schedule"):
                 self.scheduler.postprocess(work)
-                # Decodes get a token; a chunk gets one only if it was its prompt's last (its logits are the next
-                # token's), otherwise its row is dropped.
-                rows = [i for i, seq in enumerate(scheduled) if seq.num_computed_tokens == seq.num_tokens]
-            if rows:  # one sampler call for the whole batch
-                with timer("sample"):
-                    sampled = [scheduled[i] for i in rows]
-                    if len(rows) < len(scheduled):  # the index goes to the device without a wait (pinned)
-                        logits = logits[to_device(torch.tensor(rows), logits.device)]
-                self._append_tokens(sampled, logits)
+            if launched is not None:  # host lists: the step's one wait for the GPU
+                self._record_tokens(sampled, *self.runner.read_sampled(launched))
         except BaseException:  # a failure mid-step leaves these sequences half-updated (_fail_step), then re-raise
             self._fail_step(scheduled)
             raise
@@ -220,12 +214,6 @@ class EngineCore:
         and on the text its detokenizer grows (stop strings). last is its newest token, its num_outputs-th
         (num_outputs: len(r.output_ids)). A sequence without a detokenizer is checked on its tokens only."""
         return check_stop(r.params, last, num_outputs, self.tokenizer.eos_token_ids, r.detokenizer)
-
-    def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample one token for each sequence from its row of logits [B, vocab] in one sampler call (the model
-        runner's), record them, check which sequences must stop."""
-        next_ids, chosen, tops = self.runner.sample(seqs, logits)  # host lists: the step's one wait for the GPU
-        self._record_tokens(seqs, next_ids, chosen, tops)
 
     def _record_tokens(self, seqs: list[Sequence], next_ids, chosen, tops, read_late: bool = False) -> None:
         """Append each sequence's new token, check which sequences must stop. read_late: the tokens of a
@@ -290,14 +278,10 @@ class EngineCore:
             rows = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n == seq.num_tokens]
             # inputs past the tokens the host knows: a sequence's newest one, step N's token, still on the device
             placeholders = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n > len(seq.token_ids)]
-        logits = self.runner.execute(work, placeholders=placeholders)  # one row per scheduled sequence, in order
-        if not rows:
+        results = self.runner.execute_model(work, rows, placeholders=placeholders, keep_on_device=True)
+        if results is None:
             return None
-        with timer("sample"):
-            sampled = [scheduled[i] for i in rows]
-            if len(rows) < len(scheduled):
-                logits = logits[to_device(torch.tensor(rows), logits.device)]
-        results = self.runner.launch_sample(sampled, logits, keep_on_device=True)
+        sampled = [scheduled[i] for i in rows]
         for seq in sampled:  # after the draw: its keys count the outputs before
             seq.num_output_placeholders += 1
         event = results.copies.event

@@ -363,6 +363,22 @@ class ModelRunner:
             self.stats["eager_forwards"] += 1
             return self.model.forward(input_ids, positions, attn)
 
+    def execute_model(self, work: list[tuple[Sequence, int]], sample_rows: list[int], placeholders=(),
+                      keep_on_device: bool = False) -> SimpleNamespace | None:
+        """One step on the device: the forward of every row of the work (execute), then one sampler call for the
+        rows that sample (sample_rows, indices into work: a decode, or a chunk that reaches its prompt's end), queued
+        (launch_sample). -> the draw on its way to the host, which read_sampled reads (None: no row samples). The
+        logits stay in the runner."""
+        logits = self.execute(work, placeholders=placeholders)  # one row per scheduled sequence, in order
+        launched = None
+        if sample_rows:
+            with self.timers.phase("sample"):
+                plain = logits
+                if len(sample_rows) < len(logits):  # the index goes to the device without a wait (pinned)
+                    plain = logits[to_device(torch.tensor(sample_rows), logits.device)]
+            launched = self.launch_sample([work[i][0] for i in sample_rows], plain, keep_on_device=keep_on_device)
+        return launched
+
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float], list]:
         """One sampler call for the batch: logits [B, vocab] -> (next token ids, their logprobs, and for each
         sequence that asked for logprobs its top ones as {token: logprob}, else None). Everything is computed on

@@ -42,7 +42,7 @@ error all the same (its caller may know better: a core process dies of a device 
 Speculative decoding (speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
 "prompt_lookup_min": 2}, vLLM's option; speculative.py). Before a step's forward each decoding request may get up to
 k drafts, looked up in its own tokens (_propose, in empty blocks only); it then runs as a chunk of k + 1 tokens in the
-same mixed forward, whose logits at every one of those places the runner returns (logits_rows). The runner's verify
+same mixed forward, whose logits the runner takes at every one of those places (logits_rows). The runner's verify
 draws every place as a plain step draws it, and the drafts pass while they equal it (_verify): 1 to k + 1 tokens are
 emitted, exactly the plain decode's, and the scheduler rolls the rejected drafts back (postprocess_verified). A step
 with drafts replays a verify graph (k + 1 tokens per row) up to VERIFY_GRAPH_MAX_SEQS requests, eagerly above, and
@@ -57,14 +57,11 @@ import time
 import weakref
 from types import SimpleNamespace
 
-import torch
-
 from shared import RequestMetrics, RequestOutput, SamplingParams, Tokenizer
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .model_runner import to_device
 from .output import Finish, check_stop
 from .parallel import TensorParallel, WorkerError, rank_device
 from .sampler import request_seed
@@ -211,33 +208,20 @@ class EngineCore:
         spec = self._propose(work) if drafting else {}  # {work index: drafts}
         if spec:
             work = [(seq, n + len(spec[i])) if i in spec else (seq, n) for i, (seq, n) in enumerate(work)]
+        # Decodes get a token; a chunk gets one only if it reaches its prompt's last token (its logits are the next
+        # token's), otherwise its row is dropped; a drafting sequence's tokens are the verdict's.
+        rows = [i for i, (seq, n) in enumerate(work) if i not in spec and seq.num_computed_tokens + n == seq.num_tokens]
+        sampled = [scheduled[i] for i in rows]
         try:
-            logits_rows, first_row = None, list(range(len(work)))  # the logits' first row of each sequence
-            if spec:  # a drafting sequence's logits at its newest token and at every draft; one row else
-                logits_rows, first_row, start = [], [], 0
-                for i, (seq, n) in enumerate(work):
-                    first_row.append(len(logits_rows))
-                    logits_rows += range(start, start + n) if i in spec else [start + n - 1]
-                    start += n
-            logits = self.runner.execute(work, logits_rows=logits_rows)  # in the order of the work
+            # the forward, one sampler call for the batch, and the verdict on the drafts
+            launched, verdicts = self.runner.execute_model(work, rows, drafts=spec)
             with timer("schedule"):
                 # a drafting sequence counts its tokens as computed after the verdict (_verify), not before
                 self.scheduler.postprocess([(seq, n) for i, (seq, n) in enumerate(work) if i not in spec])
-                # Decodes get a token; a chunk gets one only if it was its prompt's last (its logits are the next
-                # token's), otherwise its row is dropped.
-                rows = [i for i, seq in enumerate(scheduled) if i not in spec and seq.num_computed_tokens == seq.num_tokens]
-            if rows:  # one sampler call for the whole batch
-                with timer("sample"):
-                    sampled = [scheduled[i] for i in rows]
-                    if len(rows) < len(logits):  # the index goes to the device without a wait (pinned)
-                        logits_plain = logits[to_device(torch.tensor([first_row[i] for i in rows]), logits.device)]
-                    else:
-                        logits_plain = logits
-                self._append_tokens(sampled, logits_plain)
-            else:
-                sampled = []
+            if launched is not None:  # host lists: the step's one wait for the GPU
+                self._record_tokens(sampled, *self.runner.read_sampled(launched))
             if spec:
-                self._verify(spec, scheduled, logits, first_row)
+                self._verify(spec, scheduled, verdicts)
         except BaseException:  # a failure mid-step leaves these sequences half-updated (_fail_step), then re-raise
             self._fail_step(scheduled)
             raise
@@ -300,16 +284,13 @@ class EngineCore:
             self.stats["spec_steps"] += 1
         return spec
 
-    def _verify(self, spec: dict[int, list[int]], scheduled: list[Sequence], logits: torch.Tensor,
-                first_row: list[int]) -> None:
-        """The target's verdict on the drafts (the model runner's verify: each place drawn as a plain step draws it,
-        one wait), then per request: the drafts leave its tokens, the tokens the verdict emits are recorded one by
-        one through the stop checks (a stop inside the run ends it there), and the scheduler counts what has K/V
-        and gives back the blocks of the rejected drafts (postprocess_verified)."""
+    def _verify(self, spec: dict[int, list[int]], scheduled: list[Sequence], verdicts: list) -> None:
+        """The target's verdict on the drafts (the model runner's verify, in execute_model: each place drawn as a
+        plain step draws it, one wait), then per request: the drafts leave its tokens, the tokens the verdict emits
+        are recorded one by one through the stop checks (a stop inside the run ends it there), and the scheduler
+        counts what has K/V and gives back the blocks of the rejected drafts (postprocess_verified)."""
         index = sorted(spec)
         seqs, drafts = [scheduled[i] for i in index], [spec[i] for i in index]
-        places = [first_row[i] + j for i in index for j in range(len(spec[i]) + 1)]  # their rows of logits
-        verdicts = self.runner.verify(logits, places, seqs, drafts)
         for seq, ds, verdict in zip(seqs, drafts, verdicts):
             seq.drop_drafts(len(ds))  # the accepted ones come back below, recorded as tokens
             self.stats["spec_verified"] += 1
@@ -349,12 +330,6 @@ class EngineCore:
         and on the text its detokenizer grows (stop strings). last is its newest token, its num_outputs-th
         (num_outputs: len(r.output_ids)). A sequence without a detokenizer is checked on its tokens only."""
         return check_stop(r.params, last, num_outputs, self.tokenizer.eos_token_ids, r.detokenizer)
-
-    def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample one token for each sequence from its row of logits [B, vocab] in one sampler call (the model
-        runner's), record them, check which sequences must stop."""
-        next_ids, chosen, tops = self.runner.sample(seqs, logits)  # host lists: the step's one wait for the GPU
-        self._record_tokens(seqs, next_ids, chosen, tops)
 
     def _record_tokens(self, seqs: list[Sequence], next_ids, chosen, tops, read_late: bool = False) -> None:
         """Append each sequence's new token, check which sequences must stop. read_late: the tokens of a
@@ -422,14 +397,10 @@ class EngineCore:
             rows = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n == seq.num_tokens]
             # inputs past the tokens the host knows: a sequence's newest one, step N's token, still on the device
             placeholders = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n > len(seq.token_ids)]
-        logits = self.runner.execute(work, placeholders=placeholders)  # one row per scheduled sequence, in order
-        if not rows:
+        results, _ = self.runner.execute_model(work, rows, placeholders=placeholders, keep_on_device=True)
+        if results is None:
             return None
-        with timer("sample"):
-            sampled = [scheduled[i] for i in rows]
-            if len(rows) < len(scheduled):
-                logits = logits[to_device(torch.tensor(rows), logits.device)]
-        results = self.runner.launch_sample(sampled, logits, keep_on_device=True)
+        sampled = [scheduled[i] for i in rows]
         for seq in sampled:  # after the draw: its keys count the outputs before
             seq.num_output_placeholders += 1
         event = results.copies.event

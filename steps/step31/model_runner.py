@@ -426,6 +426,35 @@ class ModelRunner:
             self.stats["padded_rows"] += size - len(work)
             return graphs.launch(size, size * graphs.query_len)[picked]
 
+    def execute_model(self, work: list[tuple[Sequence, int]], sample_rows: list[int], placeholders=(),
+                      keep_on_device: bool = False, drafts: dict[int, list[int]] | None = None):
+        """One step on the device: the forward of every row of the work (execute), then one sampler call for the
+        rows that sample (sample_rows, indices into work: a decode, or a chunk that reaches its prompt's end), queued
+        (launch_sample), and the verdict on the drafts ({index in work: drafts}; verify, one wait). A drafting
+        sequence's logits are taken at its newest token and at every draft, one row else (logits_rows). -> (the draw
+        on its way to the host, which read_sampled reads, or None when no row samples; the verdicts in the order of
+        the drafting indices, or None). The logits stay in the runner."""
+        logits_rows, first_row = None, list(range(len(work)))  # the logits' first row of each sequence
+        if drafts:
+            logits_rows, first_row, start = [], [], 0
+            for i, (seq, n) in enumerate(work):
+                first_row.append(len(logits_rows))
+                logits_rows += range(start, start + n) if i in drafts else [start + n - 1]
+                start += n
+        logits = self.execute(work, placeholders=placeholders, logits_rows=logits_rows)  # in the order of the work
+        launched = verdicts = None
+        if sample_rows:
+            with self.timers.phase("sample"):
+                plain = logits
+                if len(sample_rows) < len(logits):  # the index goes to the device without a wait (pinned)
+                    plain = logits[to_device(torch.tensor([first_row[i] for i in sample_rows]), logits.device)]
+            launched = self.launch_sample([work[i][0] for i in sample_rows], plain, keep_on_device=keep_on_device)
+        if drafts:
+            index = sorted(drafts)
+            places = [first_row[i] + j for i in index for j in range(len(drafts[i]) + 1)]  # their rows of logits
+            verdicts = self.verify(logits, places, [work[i][0] for i in index], [drafts[i] for i in index])
+        return launched, verdicts
+
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float], list]:
         """One sampler call for the batch: logits [B, vocab] -> (next token ids, their logprobs, and for each
         sequence that asked for logprobs its top ones as {token: logprob}, else None). Everything is computed on
