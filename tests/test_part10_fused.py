@@ -41,7 +41,10 @@ def gemv_module():
 CASES = [  # rows, output columns, K, norm, silu_mul, residual
     (1, 48, 40, False, False, False), (1, 37, 576, True, False, False), (3, 40, 96, True, False, True),
     (8, 24, 64, True, True, False), (5, 33, 70, False, False, True), (2, 64, 130, True, True, False),
-    (7, 16, 200, False, True, True), (4, 100, 1100, True, False, True)]
+    (7, 16, 200, False, True, True),
+    # K past the default tile's 1024 inputs: the default config's only case of two K tiles (the second partial);
+    # 13 columns are 2 of its column tiles and 4 of the small config's (the last partial in both)
+    (4, 13, 1100, True, False, True)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
