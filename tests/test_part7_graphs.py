@@ -168,35 +168,39 @@ def test_eager_engine_equals_step20(model):
 def attach_eager_graphs(llm):
     """The engine's static-buffer runner, built but never captured: every decode step goes through its fill and
     its padded forward, run eagerly (what a CPU can do of a graph). runner.fills: what each fill wrote into the
-    device buffers (BufferWrites)."""
+    device buffers (BufferWrites); runner.buckets: the bucket of each step."""
     runner, block_size = llm.runner, llm.block_manager.block_size
     runner.graphs = graphs_module().DecodeGraphs(llm.model, llm.device, runner.max_num_seqs, block_size,
                                                  runner.scratch_block, runner.max_table_blocks(block_size),
                                                  llm.model.config.max_position_embeddings)
-    inputs, fill = runner.graphs.inputs, runner.graphs.inputs.fill
-    runner.graphs.fills = []
+    graphs, inputs, fill, prepare = runner.graphs, runner.graphs.inputs, runner.graphs.inputs.fill, runner.graphs.prepare
+    graphs.fills, graphs.buckets = [], []
 
     def recorded_fill(*args, **kwargs):
         with BufferWrites(inputs) as recorded:
             fill(*args, **kwargs)
-        runner.graphs.fills.append(recorded.writes)
+        graphs.fills.append(recorded.writes)
 
-    inputs.fill = recorded_fill
-    return runner.graphs
+    def recorded_prepare(*args, **kwargs):
+        graphs.buckets.append(prepare(*args, **kwargs))
+        return graphs.buckets[-1]
+
+    inputs.fill, graphs.prepare = recorded_fill, recorded_prepare
+    return graphs
 
 
-@pytest.mark.parametrize("model,kv_tokens", [("random:tiny-llama", None), ("random:tiny-qwen3", 96)])
+@pytest.mark.parametrize("model,kv_tokens", [("random:tiny-llama", None), ("random:tiny-qwen3", 144)])
 def test_static_buffer_runner_equals_the_engine(model, kv_tokens, tmp_path):
     """The fill-and-forward code a graph records, run eagerly in Triton's interpreter: padded to buckets (requests
-    finishing one by one: Llama's batches 5 .. 1 in buckets 8, 4, 2, 1; Qwen3's 3 .. 1 in buckets 4, 2, 1), two
-    requests added once the first five are done (the buffers refilled for new sequences), and (Qwen3, a pool of 96
-    tokens) preemption. The outputs are the plain engine's.
+    finishing one by one: batches 5 .. 1 in buckets 8, 4, 2, 1), two requests added once the first five are done
+    (the buffers refilled for new sequences), and (Qwen3, a pool of 144 tokens) preemption. The outputs are the plain
+    engine's.
 
-    The answers are as short as still gives those (4 .. 10 tokens: one preemption in Qwen3's pool), and the model's
+    The answers are as short as still gives those (5 .. 10 tokens: one preemption in Qwen3's pool), and the model's
     length is 512 tokens, not 2048: the graphs' flash decoding then splits each context 2 ways, not 8 (the split
     count is chosen for the model's length), and the interpreter runs a quarter of the programs. Every context
     here is one tile of 64 tokens, so either way each decode merges one full split with empty ones."""
-    prompts, params = mixed_requests(max_tokens=(4, 6, 10, 8, 8, 5))
+    prompts, params = mixed_requests(max_tokens=(6, 8, 10, 10, 10, 5))
     model = edited_model(tmp_path, model, lambda config: config.update(max_position_embeddings=512))
     options = dict(device="cpu", max_num_batched_tokens=64, max_num_seqs=8, attention_backend="triton",
                    max_kv_tokens=kv_tokens)
@@ -216,6 +220,7 @@ def test_static_buffer_runner_equals_the_engine(model, kv_tokens, tmp_path):
         compare_completions(a.outputs[0], b.outputs[0], STEP_LOGPROB_ATOL_FP32, label=f"request {a.request_id}")
     assert runner.eager_runs > 0 and runner.replays == 0  # the static path ran, with no graph (a CPU)
     assert llm.stats["padded_rows"] > 0  # some batches were padded up to their bucket
+    assert set(runner.buckets) == {1, 2, 4, 8}  # every bucket of max_num_seqs=8
     assert len(runner.fills) == runner.eager_runs and all(writes == TWO_COPIES for writes in runner.fills)
     assert set(runner.num_splits.values()) == {2}  # split decoding, as on a GPU for a short batch
     if kv_tokens is not None:
