@@ -232,8 +232,8 @@ def small_vocab_qwen3(tmp_path_factory) -> str:
 
 
 def test_engine_with_the_gemv_kernel_equals_step27(small_vocab_qwen3):
-    """The kernels in the engine (interpreted), one request of 5 tokens: its prefill runs the matmul path (many rows)
-    and lm_head's GEMV (one row: the last token's); each of its 4 decodes runs the GEMV in the 4 projections of every
+    """The kernels in the engine (interpreted), one request of 3 tokens: its prefill runs the matmul path (many rows)
+    and lm_head's GEMV (one row: the last token's); each of its 2 decodes runs the GEMV in the 4 projections of every
     layer and in lm_head. The tokens are step27's; the logprobs agree up to the order of the sums over K. The tiny
     Qwen3 with a vocabulary of SMALL_VOCAB tokens: test_engine_with_the_gemv_kernel_at_the_full_vocabulary runs
     lm_head's 49,152 columns (slow)."""
@@ -245,13 +245,13 @@ def test_engine_with_the_gemv_kernel_at_the_full_vocabulary():
     check_gemv_engine(TINY_QWEN3, None)
 
 
-def check_gemv_engine(model: str, prompt: tuple | None) -> None:
-    got, launches, backend, layers = outputs(FUSED, model, "triton", True, 5, prompt)
-    want, _, _, _ = outputs(BEFORE, model, "triton", False, 5, prompt)
+def check_gemv_engine(model: str, prompt: tuple | None, tokens: int = 3) -> None:
+    got, launches, backend, layers = outputs(FUSED, model, "triton", True, tokens, prompt)
+    want, _, _, _ = outputs(BEFORE, model, "triton", False, tokens, prompt)
     assert "projections: torch matmuls" in backend  # the engine's line says the CPU's default, set when it was built
     for i, (a, b) in enumerate(zip(got, want)):
         compare_completions(a.outputs[0], b.outputs[0], 1e-4, exact=True, label=f"request {i}")
-    assert set(launches) == {1} and len(launches) == 1 + 4 * (4 * layers + 1), launches
+    assert set(launches) == {1} and len(launches) == 1 + (tokens - 1) * (4 * layers + 1), launches
 
 
 def test_the_gemv_path_is_chosen_by_rows(monkeypatch):
