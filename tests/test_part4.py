@@ -289,7 +289,10 @@ def test_seeded_request_is_the_same_alone_or_in_any_batch(step):
 def test_batched_draws_follow_each_rows_distribution(step):
     """A chi-square test per row, 4000 draws over 5 tokens (4 degrees of freedom). The critical value 23.51
     has a false-alarm rate of 1e-4 per row for a correct sampler; the seeds are fixed, so the test is
-    deterministic. Rows differ in temperature, so a batched sampler mixing rows up would fail."""
+    deterministic. Rows differ in temperature, so a batched sampler mixing rows up would fail.
+
+    A draw is keyed by its request's (seed, position): the 4000 positions of the 3 requests are drawn in one batch
+    of 12,000 rows, the requests interleaved, the same draws as 4000 steps of 3 rows (one call, not 4000)."""
     import importlib
 
     s = importlib.import_module(f"steps.{step}.sampler")
@@ -297,11 +300,12 @@ def test_batched_draws_follow_each_rows_distribution(step):
     temperatures = [1.0, 0.5, 2.0]
     params = [SamplingParams(temperature=t, seed=100 + i) for i, t in enumerate(temperatures)]
     seeds = [s.request_seed(sp) for sp in params]
-    logits = base.repeat(len(params), 1)
+    batch = [(row, position) for position in range(4000) for row in range(len(params))]
+    tokens = s.sample_batch(base.repeat(len(batch), 1), [params[row] for row, _ in batch],
+                            [seeds[row] for row, _ in batch], [position for _, position in batch])
     counts = torch.zeros(len(params), 5)
-    for position in range(4000):
-        for row, token in enumerate(s.sample_batch(logits, params, seeds, [position] * len(params))):
-            counts[row, token] += 1
+    for (row, _), token in zip(batch, tokens, strict=True):
+        counts[row, token] += 1
     for row, t in enumerate(temperatures):
         expected = torch.softmax(base / t, dim=-1) * 4000
         chi2 = float(((counts[row] - expected) ** 2 / expected).sum())

@@ -199,9 +199,10 @@ def test_the_cache_is_int8_and_its_size_is_what_was_counted():
                          ids=["torch-unset", "torch-auto", "triton-unset"])
 def test_auto_equals_the_step_before(backend, options):
     """kv_cache_dtype unset or "auto": the step before's cache and tokens (a chunk budget of 7 on the torch path, so
-    that prompts chunk; 64 on the kernels, whose interpreter pays per step)."""
-    prompts, params = mixed_requests()
-    common = dict(device="cpu", max_num_batched_tokens=7 if backend == "torch" else 64, max_num_seqs=4,
+    that prompts chunk; on the kernels, whose interpreter pays per step, the first three prompts (3, 17 and 40
+    tokens) at a budget of 32: the 40-token prompt is cut in two, its second chunk beside two decodes)."""
+    prompts, params = mixed_requests() if backend == "torch" else (x[:3] for x in mixed_requests())
+    common = dict(device="cpu", max_num_batched_tokens=7 if backend == "torch" else 32, max_num_seqs=4,
                   attention_backend=backend)
     expected = load_engine(BEFORE).LLM("random:tiny-llama", **common).generate(prompts, params)
     got = load_engine(INT8).LLM("random:tiny-llama", **common, **options).generate(prompts, params)
@@ -225,8 +226,10 @@ def counting_scales(monkeypatch, name: str, kernel: str) -> list:
 @pytest.mark.parametrize("model", ["random:tiny-llama", "random:tiny-qwen3"])
 def test_int8_runs_on_both_backends_and_they_agree(model, monkeypatch):
     """The kernels (mixed batches, and flash decoding where contexts split: the split rule lowered to 8 tokens per
-    part, so that these short contexts split) read the int8 cache and give the torch path's tokens."""
-    prompts, params = mixed_requests()
+    part, so that these short contexts split) read the int8 cache and give the torch path's tokens. The first three
+    prompts (3, 17 and 40 tokens, chunked by a budget of 16, chunks beside decodes) and their answers of 6 to 8
+    tokens: the interpreter pays per step."""
+    prompts, params = (x[:3] for x in mixed_requests())
     common = dict(device="cpu", max_num_batched_tokens=16, max_num_seqs=4, kv_cache_dtype="int8")
     torch_llm = load_engine(INT8).LLM(model, attention_backend="torch", **common)
     expected = torch_llm.generate(prompts, params)

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine, step_module
+from helpers import STEP_LOGPROB_ATOL_FP32, compare_completions, edited_model, load_engine, step_module
 from registry import introducing, last_before
 from shared import SamplingParams
 
@@ -134,15 +134,17 @@ def test_fill_writes_the_rows_and_pads_to_the_scratch_block():
         inputs.fill([wide], tables, rows_of(tables, [wide]), 1, block_size=4, scratch_block=9)
 
 
-def mixed_requests(seed=21, n=6):
-    """Prompts of different lengths and answers of different lengths: the batch shrinks as requests finish, so the
-    decode steps meet several buckets and padded rows. Two are seeded samples (the sampler runs on the device)."""
+def mixed_requests(seed=21, n=6, max_tokens=(4, 10, 10, 13, 12, 19)):
+    """Prompts of different lengths and answers of different lengths (max_tokens): the batch shrinks as requests
+    finish, so the decode steps meet several buckets and padded rows. Two are seeded samples (the sampler runs on the
+    device)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 1000) for _ in range(length)] for length in (3, 17, 40, 9, 28, 5)[:n]]
-    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logprobs=2) for i in range(n)]
-    params[1] = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True,
-                               logprobs=2)
-    params[4] = SamplingParams(temperature=1.2, min_p=0.05, seed=3, max_tokens=12, ignore_eos=True, logprobs=0)
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens[i], ignore_eos=True, logprobs=2) for i in range(n)]
+    params[1] = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=max_tokens[1],
+                               ignore_eos=True, logprobs=2)
+    params[4] = SamplingParams(temperature=1.2, min_p=0.05, seed=3, max_tokens=max_tokens[4], ignore_eos=True,
+                               logprobs=0)
     return prompts, params
 
 
@@ -166,29 +168,43 @@ def test_eager_engine_equals_step20(model):
 def attach_eager_graphs(llm):
     """The engine's static-buffer runner, built but never captured: every decode step goes through its fill and
     its padded forward, run eagerly (what a CPU can do of a graph). runner.fills: what each fill wrote into the
-    device buffers (BufferWrites)."""
+    device buffers (BufferWrites); runner.buckets: the bucket of each step."""
     runner, block_size = llm.runner, llm.block_manager.block_size
     runner.graphs = graphs_module().DecodeGraphs(llm.model, llm.device, runner.max_num_seqs, block_size,
                                                  runner.scratch_block, runner.max_table_blocks(block_size),
                                                  llm.model.config.max_position_embeddings)
-    inputs, fill = runner.graphs.inputs, runner.graphs.inputs.fill
-    runner.graphs.fills = []
+    graphs, inputs, fill, prepare = runner.graphs, runner.graphs.inputs, runner.graphs.inputs.fill, runner.graphs.prepare
+    graphs.fills, graphs.buckets = [], []
 
     def recorded_fill(*args, **kwargs):
         with BufferWrites(inputs) as recorded:
             fill(*args, **kwargs)
-        runner.graphs.fills.append(recorded.writes)
+        graphs.fills.append(recorded.writes)
 
-    inputs.fill = recorded_fill
-    return runner.graphs
+    def recorded_prepare(*args, **kwargs):
+        graphs.buckets.append(prepare(*args, **kwargs))
+        return graphs.buckets[-1]
+
+    inputs.fill, graphs.prepare = recorded_fill, recorded_prepare
+    return graphs
 
 
-@pytest.mark.parametrize("model,kv_tokens", [("random:tiny-llama", None), ("random:tiny-qwen3", 96)])
-def test_static_buffer_runner_equals_the_engine(model, kv_tokens):
-    """The fill-and-forward code a graph records, run eagerly in Triton's interpreter: padded to buckets (6 requests
-    finishing one by one: batches 6 .. 1 in buckets 8, 4, 2, 1), a request joining mid-run, and (Qwen3, a pool of
-    96 tokens) preemption. The outputs are the plain engine's."""
-    prompts, params = mixed_requests()
+# Qwen3's case checks all that Llama's does (the same buckets, fills and splits), and preemption besides: Llama's
+# runs in make test, not in make test-fast (the runner's buffers do not depend on the model family).
+@pytest.mark.parametrize("model,kv_tokens", [pytest.param("random:tiny-llama", None, marks=pytest.mark.slow),
+                                             ("random:tiny-qwen3", 144)])
+def test_static_buffer_runner_equals_the_engine(model, kv_tokens, tmp_path):
+    """The fill-and-forward code a graph records, run eagerly in Triton's interpreter: padded to buckets (requests
+    finishing one by one: batches 5 .. 1 in buckets 8, 4, 2, 1), two requests added once the first five are done
+    (the buffers refilled for new sequences), and (Qwen3, a pool of 144 tokens) preemption. The outputs are the plain
+    engine's.
+
+    The answers are as short as still gives those (5 .. 10 tokens: one preemption in Qwen3's pool), and the model's
+    length is 512 tokens, not 2048: the graphs' flash decoding then splits each context 2 ways, not 8 (the split
+    count is chosen for the model's length), and the interpreter runs a quarter of the programs. Every context
+    here is one tile of 64 tokens, so either way each decode merges one full split with empty ones."""
+    prompts, params = mixed_requests(max_tokens=(6, 8, 10, 10, 10, 5))
+    model = edited_model(tmp_path, model, lambda config: config.update(max_position_embeddings=512))
     options = dict(device="cpu", max_num_batched_tokens=64, max_num_seqs=8, attention_backend="triton",
                    max_kv_tokens=kv_tokens)
     results = {}
@@ -207,7 +223,9 @@ def test_static_buffer_runner_equals_the_engine(model, kv_tokens):
         compare_completions(a.outputs[0], b.outputs[0], STEP_LOGPROB_ATOL_FP32, label=f"request {a.request_id}")
     assert runner.eager_runs > 0 and runner.replays == 0  # the static path ran, with no graph (a CPU)
     assert llm.stats["padded_rows"] > 0  # some batches were padded up to their bucket
+    assert set(runner.buckets) == {1, 2, 4, 8}  # every bucket of max_num_seqs=8
     assert len(runner.fills) == runner.eager_runs and all(writes == TWO_COPIES for writes in runner.fills)
+    assert set(runner.num_splits.values()) == {2}  # split decoding, as on a GPU for a short batch
     if kv_tokens is not None:
         assert llm.scheduler.num_preemptions > 0
 

@@ -4,6 +4,8 @@ The real model where a Part ends and in the newest step (registry.real_model_ste
 ends with its own EOS. Every step on the tiny model (it shares the real tokenizer), where EOS is a token the tiny
 model really produces, declared EOS on a private engine, so that every step's EOS handling is exercised.
 """
+import functools
+
 import pytest
 
 from conftest import STEPS, cached_llm
@@ -16,8 +18,21 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_ASK = [{"role": "user", "content": "Describe Paris in three sentences."}]
 
 
+# The length of the free-running answer that the stop tests cut: 16 tokens, 13 words of the real model's answer (a
+# token of the real model costs some 0.3 s on a CPU from step29 on, which dequantises its 4-bit weights every forward).
+FREE_TOKENS = 16
+
+
 def model_for(step: str) -> str:
     return REAL if step in real_model_steps() else TINY
+
+
+@functools.lru_cache(maxsize=None)
+def free_answer(step: str):
+    """The greedy answer to LONG_ASK, past any EOS: what a stop string or a stop token id must cut. Computed once per
+    step and test process, for both stop tests (a step's tests run on one worker)."""
+    llm = cached_llm(step, model_for(step))
+    return llm.chat(LONG_ASK, SamplingParams(temperature=0, max_tokens=FREE_TOKENS, ignore_eos=True))[0].outputs[0]
 
 
 @pytest.mark.parametrize("step", real_model_steps())
@@ -58,12 +73,12 @@ def test_eos_ends_a_request_on_the_tiny_model(step):
 @pytest.mark.parametrize("step", STOP_STEPS)
 def test_stop_string_cuts_the_text(step):
     llm = cached_llm(step, model_for(step))
-    free = llm.chat(LONG_ASK, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    free = free_answer(step)
     words = free.text.split()
     assert len(words) >= 3, free.text
     stop = words[len(words) // 2]  # a word from the middle of the free-running answer
     cut = free.text.find(stop)
-    out = llm.chat(LONG_ASK, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+    out = llm.chat(LONG_ASK, SamplingParams(temperature=0, max_tokens=FREE_TOKENS, ignore_eos=True,
                                             stop=["@@never@@", stop]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == free.text[:cut]  # everything before the stop string, nothing of it
@@ -74,10 +89,10 @@ def test_stop_string_cuts_the_text(step):
 @pytest.mark.parametrize("step", STOP_STEPS)
 def test_stop_token_id(step):
     llm = cached_llm(step, model_for(step))
-    free = llm.chat(LONG_ASK, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    free = free_answer(step)
     stop_id = free.token_ids[5]
     first = free.token_ids.index(stop_id)
-    out = llm.chat(LONG_ASK, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id],
+    out = llm.chat(LONG_ASK, SamplingParams(temperature=0, max_tokens=FREE_TOKENS, stop_token_ids=[stop_id],
                                             ignore_eos=True))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     assert out.token_ids == free.token_ids[:first + 1]  # the stop token is the last token ...
