@@ -60,6 +60,7 @@ The features (the step that brings each one in is where its lesson is tested in 
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,14 +235,23 @@ def step_files(step: str, *modules: str) -> list[Path]:
         files.add(path)
         package = parts if path.name == "__init__.py" else parts[:-1]
         todo += [package[:i] for i in range(len(package) + 1)]  # the packages it sits in run their __init__.py
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.level:  # `from .x import y`, `from . import x`
-                target = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
-                todo.append(target)
-                todo += [target + [a.name] for a in node.names if _module_file(step, target + [a.name])]
+        for level, module, names in _relative_imports(path):  # `from .x import y`, `from . import x`
+            target = package[:len(package) - level + 1] + (module.split(".") if module else [])
+            todo.append(target)
+            todo += [target + [name] for name in names if _module_file(step, target + [name])]
     return sorted(files)
 
 
+@functools.lru_cache(maxsize=None)
+def _relative_imports(path: Path) -> tuple[tuple[int, str | None, tuple[str, ...]], ...]:
+    """Each relative import anywhere in a file, (level, module, names): parsed once a session (a collection asks
+    for the same files for many tests)."""
+    return tuple((node.level, node.module, tuple(a.name for a in node.names))
+                 for node in ast.walk(ast.parse(path.read_text(), str(path)))
+                 if isinstance(node, ast.ImportFrom) and node.level)
+
+
+@functools.lru_cache(maxsize=None)
 def content_key(step: str, *modules: str) -> str:
     """A hash of the files that `modules` load from steps/<step> (step_files): their paths in the step and their
     bytes. Two steps with the same key run the same code for those modules."""

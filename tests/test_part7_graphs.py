@@ -212,7 +212,7 @@ def test_static_buffer_runner_equals_the_engine(model, kv_tokens, tmp_path):
         llm = load_engine(GRAPHS).LLM(model, **options)
         runner = attach_eager_graphs(llm) if static else None
         outs = llm.generate(prompts[:5], params[:5])
-        late = llm.add_request(prompts[5], params[5])  # joins a running batch
+        late = llm.add_request(prompts[5], params[5])  # two more, queued after the first batch has finished
         llm.add_request(prompts[0], params[0])
         while llm.has_unfinished_requests():
             outs += llm.step()
