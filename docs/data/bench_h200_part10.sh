@@ -8,6 +8,8 @@
 #                                                        (bench_host_path.py): step28; step29 with int4 weights; step30
 #                                                        with an int8 cache, an fp8 cache, fp8 weights; then step29's
 #                                                        4-bit GEMV at its tuned tiles (bench_step29.py)
+#   bash docs/data/bench_h200_part10.sh "$OUT" profile   nano's engines once more (one run each), to reach the phase timers
+#                                                        and the GPU-busy profile
 #   bash docs/data/bench_h200_part10.sh "$OUT" moe       nano-vllm's workload on Qwen3-30B-A3B's layer shape (16
 #                                                        layers, built on first use): step31, then HF's continuous
 #                                                        batching on the same model
@@ -41,6 +43,11 @@ case "$what" in
     timeout 130 python3 -u docs/data/bench_step29.py --skip batch1 --out "$out/${card}_step29_gemv.json" \
       > "$out/${card}_step29_gemv.txt" 2>&1
     echo "bench_step29 rc=$?" >> "$out/${card}_part10_env_$what.txt" ;;
+  profile)  # nano's engines once more, for the phase timers and the GPU-busy profile (nano's call ran out of time)
+    timeout 340 python3 -u docs/data/bench_host_path.py --steps step28 step29:quantization=int4 \
+      step30:kv_cache_dtype=fp8 step30:quantization=fp8 --share 0.2 --repeats 1 \
+      --out "$out/${card}_part10_profile.jsonl" > "$out/${card}_part10_profile.log" 2>&1
+    echo "host_path rc=$?" >> "$out/${card}_part10_env_$what.txt" ;;
   moe)
     start=$(date +%s)
     python3 -c 'from shared.models import resolve_model; print(resolve_model("random:qwen3-30b-a3b-16-layers"))' \
