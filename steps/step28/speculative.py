@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram drafts (prompt lookup): its configuration and its proposer, on the host.
+"""Speculative decoding with n-gram drafts (prompt lookup): its config, its proposer and its drafter, on the host.
 
 A decode step computes one token per request, and at batch 1 on a GPU it reads every weight for that one token.
 Speculation guesses several tokens and checks them all in one forward: a request with k drafts is a chunk of k + 1
@@ -136,3 +136,84 @@ def match_ends(tokens: np.ndarray, n_min: int, n_max: int) -> np.ndarray | None:
         if j + 1 >= n_min:
             ends = longer
     return ends
+
+
+class Drafter:
+    """What the core calls (drafting, propose, apply_verdicts): which steps draft, each request's drafts, and the
+    verdicts' tokens taken into the requests, with the spec_* counters in the engine's stats. No config: no drafts."""
+
+    def __init__(self, config: SpeculativeConfig | None, stats: dict, timers):
+        self.config, self.stats, self.timers = config, stats, timers
+        self.proposer = NgramProposer(config) if config is not None else None
+        # drafts proposed and accepted; requests verified and the tokens they emitted; runs a stop cut short; steps
+        # with drafts; steps without because of disable_by_batch_size, or because no request could get drafts
+        stats.update(spec_proposed=0, spec_accepted=0, spec_verified=0, spec_emitted=0, spec_cut=0, spec_steps=0,
+                     spec_disabled_steps=0, spec_undraftable_steps=0)
+
+    def drafting(self, scheduler, overlapped: bool) -> bool:
+        """Does this step draft? Not from disable_by_batch_size requests in the engine (running or waiting). And an
+        overlapped step (async_scheduling) only if a running request may get drafts (may_propose: its newest token
+        may be on the device); else it runs overlapped, as a step without drafts does."""
+        if self.config is None:
+            return False
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(scheduler.running) + len(scheduler.waiting) >= limit:
+            self.stats["spec_disabled_steps"] += 1
+            return False
+        with self.timers.phase("schedule"):
+            may = not overlapped or any(self.proposer.may_propose(seq.token_ids, seq.num_output_placeholders)
+                                        for seq in scheduler.running)
+        self.stats["spec_undraftable_steps"] += not may
+        return may
+
+    def propose(self, work, scheduler) -> dict[int, list[int]]:
+        """-> {index in work: drafts} for the step's decodes: up to k each, within what is left of the token budget,
+        what max_tokens leaves (a step emits at most drafts + 1) and the empty blocks (no one is preempted, no cached
+        block evicted for a guess). Blocks are taken for their KV; they join token_ids for this step only."""
+        bm, budget = scheduler.block_manager, scheduler.max_num_batched_tokens - sum(n for _, n in work)
+        spec = {}
+        with self.timers.phase("schedule"):  # proposing is host work of the schedule
+            for i, (seq, n) in enumerate(work):
+                if budget <= 0:
+                    break
+                if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:  # a prompt chunk: no drafts
+                    continue
+                k = min(self.config.num_speculative_tokens, budget, seq.params.max_tokens - len(seq.output_ids) - 1)
+                drafts = self.proposer.propose(seq.token_ids, k) if k > 0 else []
+                # empty blocks only: a draft never evicts a cached block (a rejection would hand it back empty)
+                while drafts and not bm.can_allocate_empty(seq, seq.num_tokens + len(drafts)):
+                    drafts.pop()
+                if not drafts:
+                    continue
+                bm.allocate(seq, seq.num_tokens + len(drafts))
+                seq.add_drafts(drafts)  # taken out again by apply_verdicts
+                spec[i] = drafts
+                budget -= len(drafts)
+                self.stats["spec_proposed"] += len(drafts)
+        if spec:
+            self.stats["spec_steps"] += 1
+        return spec
+
+    def apply_verdicts(self, spec: dict[int, list[int]], scheduled: list, verdicts: list, record, scheduler) -> None:
+        """The runner's verdicts (its verify), per request: the drafts leave its tokens, the tokens the verdict emits
+        are recorded (record: through the stop checks) one place at a time across the requests, so a stop inside a
+        run ends it there, and the scheduler rolls the rejected drafts back (postprocess_verified)."""
+        index = sorted(spec)
+        seqs, drafts = [scheduled[i] for i in index], [spec[i] for i in index]
+        for seq, ds, verdict in zip(seqs, drafts, verdicts):
+            seq.drop_drafts(len(ds))  # the accepted ones come back below, recorded as tokens
+            self.stats["spec_verified"] += 1
+            self.stats["spec_accepted"] += len(verdict.tokens) - 1
+        recorded = [0] * len(seqs)
+        for j in range(max(len(v.tokens) for v in verdicts)):  # the j-th token of every run, through the stop checks
+            live = [i for i, (seq, v) in enumerate(zip(seqs, verdicts)) if len(v.tokens) > j and seq.finish is None]
+            if not live:
+                break
+            record([seqs[i] for i in live], [verdicts[i].tokens[j] for i in live],
+                   [verdicts[i].logprobs[j] for i in live], [verdicts[i].tops[j] for i in live])
+            for i in live:
+                recorded[i] += 1
+        self.stats["spec_cut"] += sum(n < len(v.tokens) for n, v in zip(recorded, verdicts))  # a stop inside a run
+        self.stats["spec_emitted"] += sum(recorded)  # the tokens returned: none past a stop
+        with self.timers.phase("schedule"):
+            scheduler.postprocess_verified([(seq, len(v.tokens)) for seq, v in zip(seqs, verdicts)])

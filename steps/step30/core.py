@@ -41,15 +41,15 @@ error all the same (its caller may know better: a core process dies of a device 
 
 Speculative decoding (speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
 "prompt_lookup_min": 2}, vLLM's option; speculative.py). Before a step's forward each decoding request may get up to
-k drafts, looked up in its own tokens (_propose, in empty blocks only); it then runs as a chunk of k + 1 tokens in the
-same mixed forward, whose logits the runner takes at every one of those places (logits_rows). The runner's verify
-draws every place as a plain step draws it, and the drafts pass while they equal it (_verify): 1 to k + 1 tokens are
-emitted, exactly the plain decode's, and the scheduler rolls the rejected drafts back (postprocess_verified). A step
+k drafts, looked up in its own tokens (Drafter.propose, in empty blocks only); it then runs as a chunk of k + 1 tokens
+in the same mixed forward, whose logits the runner takes at every one of those places (logits_rows). The runner's verify
+draws every place as a plain step draws it, and the drafts pass while they equal it: 1 to k + 1 tokens are emitted
+(Drafter.apply_verdicts), exactly the plain decode's, and the scheduler rolls the rejected drafts back. A step
 with drafts replays a verify graph (k + 1 tokens per row) up to VERIFY_GRAPH_MAX_SEQS requests, eagerly above, and
 runs synchronously (the next step's drafts need this step's tokens). A step in which no request can get drafts runs
 overlapped, as above: from disable_by_batch_size requests in the engine (speculative.DISABLE_BY_BATCH_SIZE unless the
 config names one; None: never), and when no running request's known tokens end in an n-gram that occurs before
-(_may_draft). A step in flight is read before drafting resumes. Not with tensor parallelism in this step.
+(Drafter.drafting). A step in flight is read before drafting resumes. Not with tensor parallelism in this step.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ from .parallel import TensorParallel, WorkerError, rank_device
 from .sampler import request_seed
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
-from .speculative import NgramProposer
+from .speculative import Drafter
 from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
 
 
@@ -84,7 +84,6 @@ class EngineCore:
         self.in_flight: SimpleNamespace | None = None  # the step launched and not read yet
         # n-gram drafts (config.py parsed them); a step that drafts is synchronous
         self.speculative = config.speculative_config
-        self.proposer = NgramProposer(self.speculative) if self.speculative is not None else None
         self.is_shut_down = False  # shutdown() sets it: nothing runs after
         self.workers: Workers | None = None
         if config.tensor_parallel_size == 1:
@@ -113,12 +112,8 @@ class EngineCore:
         # tokens computed for requests that had finished (thrown away); launches that began while the step
         # before still ran on the device (CUDA: its results' event not reached yet)
         self.stats.update(discarded_tokens=0, overlapped_launches=0)
-        # drafts proposed and accepted; requests verified (a chunk of drafts each) and the tokens they
-        # emitted; runs a stop cut short; steps with drafts; steps that drafted nothing because of
-        # disable_by_batch_size, or because no request could get drafts (they overlap); every emitted token
-        self.stats.update(spec_proposed=0, spec_accepted=0, spec_verified=0, spec_emitted=0, spec_cut=0,
-                          spec_steps=0, spec_disabled_steps=0, spec_undraftable_steps=0,
-                          emitted_tokens=0)
+        self.stats["emitted_tokens"] = 0  # every emitted token
+        self.drafter = Drafter(self.speculative, self.stats, self.timers)  # its counters join the stats
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
         # a request's released blocks free its block-table row in the runner
         self.block_manager = BlockManager(self.memory["num_blocks"], config.block_size, config.enable_prefix_caching,
@@ -175,10 +170,7 @@ class EngineCore:
     def step(self, partial: bool = False) -> list[RequestOutput]:
         """One iteration (the overlapped one, _step_async, where it may): -> the requests it finished, and with
         partial=True also each request that got a token and goes on. An idle core returns []."""
-        drafting = self.speculative is not None and self._drafting()
-        if drafting and self.async_scheduling and not self._may_draft():
-            drafting = False  # no request can get drafts: the step runs overlapped, as a step without drafts does
-            self.stats["spec_undraftable_steps"] += 1
+        drafting = self.drafter.drafting(self.scheduler, self.async_scheduling)
         if drafting and self.in_flight is not None:  # drafts need every token read: read the step in flight
             step_n, self.in_flight = self.in_flight, None
             try:
@@ -205,7 +197,7 @@ class EngineCore:
             self.stats["decode_steps"] += bool(decodes)
             self.stats["decode_rows"] += decodes
             self.stats["prefill_chunks"] += len(work) - decodes
-        spec = self._propose(work) if drafting else {}  # {work index: drafts}
+        spec = self.drafter.propose(work, self.scheduler) if drafting else {}  # {work index: drafts}
         if spec:
             work = [(seq, n + len(spec[i])) if i in spec else (seq, n) for i, (seq, n) in enumerate(work)]
         # Decodes get a token; a chunk gets one only if it reaches its prompt's last token (its logits are the next
@@ -216,12 +208,12 @@ class EngineCore:
             # the forward, one sampler call for the batch, and the verdict on the drafts
             launched, verdicts = self.runner.execute_model(work, rows, drafts=spec)
             with timer("schedule"):
-                # a drafting sequence counts its tokens as computed after the verdict (_verify), not before
+                # a drafting sequence counts its tokens as computed after the verdict, not before
                 self.scheduler.postprocess([(seq, n) for i, (seq, n) in enumerate(work) if i not in spec])
             if launched is not None:  # host lists: the step's one wait for the GPU
                 self._record_tokens(sampled, *self.runner.read_sampled(launched))
-            if spec:
-                self._verify(spec, scheduled, verdicts)
+            if spec:  # the verdicts' tokens through the stop checks, then the rejected drafts' rollback
+                self.drafter.apply_verdicts(spec, scheduled, verdicts, self._record_tokens, self.scheduler)
         except BaseException:  # a failure mid-step leaves these sequences half-updated (_fail_step), then re-raise
             self._fail_step(scheduled)
             raise
@@ -235,79 +227,6 @@ class EngineCore:
                 outputs += [seq.partial_output() for seq in sampled + [scheduled[i] for i in spec]
                             if seq.finish is None]
             return outputs
-
-    # ---- speculative decoding ---------------------------------------------------------------------------------
-    def _drafting(self) -> bool:
-        """Does this step draft? Not when at least disable_by_batch_size requests are in the engine (running or
-        waiting; speculative.DISABLE_BY_BATCH_SIZE unless the config says): then the step runs with no drafts,
-        overlapped if async_scheduling is on. Always, when the config sets it to None."""
-        limit = self.speculative.disable_by_batch_size
-        if limit is None or len(self.scheduler.running) + len(self.scheduler.waiting) < limit:
-            return True
-        self.stats["spec_disabled_steps"] += 1
-        return False
-
-    def _may_draft(self) -> bool:
-        """Could a running request get drafts in the next step? Its newest token may still be on the device (a
-        step in flight): the proposer rules drafts out on the tokens known (NgramProposer.may_propose)."""
-        with self.timers.phase("schedule"):
-            return any(self.proposer.may_propose(seq.token_ids, seq.num_output_placeholders)
-                       for seq in self.scheduler.running)
-
-    def _propose(self, work) -> dict[int, list[int]]:
-        """Drafts for the step's decoding requests: each gets up to k, within what is left of the token budget,
-        what max_tokens leaves (a step emits at most drafts + 1) and the empty blocks (no one is preempted for a
-        guess, and no cached block is evicted for one). The drafts join the sequence's token_ids for this step only,
-        and blocks are taken for their KV. -> {index in work: drafts}."""
-        cfg, bm = self.speculative, self.block_manager
-        budget = self.scheduler.max_num_batched_tokens - sum(n for _, n in work)
-        spec = {}
-        with self.timers.phase("schedule"):  # proposing is host work of the schedule
-            for i, (seq, n) in enumerate(work):
-                if budget <= 0:
-                    break
-                if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:  # a prompt chunk: no drafts
-                    continue
-                k = min(cfg.num_speculative_tokens, budget, seq.params.max_tokens - len(seq.output_ids) - 1)
-                drafts = self.proposer.propose(seq.token_ids, k) if k > 0 else []
-                # empty blocks only: a draft never evicts a cached block (a rejection would hand it back empty)
-                while drafts and not bm.can_allocate_empty(seq, seq.num_tokens + len(drafts)):
-                    drafts.pop()
-                if not drafts:
-                    continue
-                bm.allocate(seq, seq.num_tokens + len(drafts))
-                seq.add_drafts(drafts)  # taken out again by _verify
-                spec[i] = drafts
-                budget -= len(drafts)
-                self.stats["spec_proposed"] += len(drafts)
-        if spec:
-            self.stats["spec_steps"] += 1
-        return spec
-
-    def _verify(self, spec: dict[int, list[int]], scheduled: list[Sequence], verdicts: list) -> None:
-        """The target's verdict on the drafts (the model runner's verify, in execute_model: each place drawn as a
-        plain step draws it, one wait), then per request: the drafts leave its tokens, the tokens the verdict emits
-        are recorded one by one through the stop checks (a stop inside the run ends it there), and the scheduler
-        counts what has K/V and gives back the blocks of the rejected drafts (postprocess_verified)."""
-        index = sorted(spec)
-        seqs, drafts = [scheduled[i] for i in index], [spec[i] for i in index]
-        for seq, ds, verdict in zip(seqs, drafts, verdicts):
-            seq.drop_drafts(len(ds))  # the accepted ones come back below, recorded as tokens
-            self.stats["spec_verified"] += 1
-            self.stats["spec_accepted"] += len(verdict.tokens) - 1
-        recorded = [0] * len(seqs)
-        for j in range(max(len(v.tokens) for v in verdicts)):  # the j-th token of every run, through the stop checks
-            live = [i for i, (seq, v) in enumerate(zip(seqs, verdicts)) if len(v.tokens) > j and seq.finish is None]
-            if not live:
-                break
-            self._record_tokens([seqs[i] for i in live], [verdicts[i].tokens[j] for i in live],
-                                [verdicts[i].logprobs[j] for i in live], [verdicts[i].tops[j] for i in live])
-            for i in live:
-                recorded[i] += 1
-        self.stats["spec_cut"] += sum(n < len(v.tokens) for n, v in zip(recorded, verdicts))  # a stop inside a run
-        self.stats["spec_emitted"] += sum(recorded)  # the tokens returned: none past a stop
-        with self.timers.phase("schedule"):
-            self.scheduler.postprocess_verified([(seq, len(v.tokens)) for seq, v in zip(seqs, verdicts)])
 
     def _fail_step(self, seqs: list[Sequence]) -> None:
         """A step raised, and left these sequences half-updated. One that ran alone failed on its own inputs:
