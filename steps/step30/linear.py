@@ -110,7 +110,8 @@ class Q4Method(DenseMethod):
 
 
 class Fp8Method(DenseMethod):
-    """quant.py's Fp8Weight, float8 e4m3 rows with a scale each: converted in the GEMV's registers, or fp8_linear."""
+    """quant.py's Fp8Weight, float8 e4m3 rows with a scale each: converted in the GEMV's registers, or fp8_linear.
+    Made from float weights once they are loaded, so no loader cuts or moves one (shard, to)."""
 
     name = "float8 e4m3 rows"
     quantized = True
