@@ -232,7 +232,7 @@ def test_fp8_weights_round_per_row():
     assert torch.equal(f.data.float().abs().amax(1)[f.scale != 1], torch.full((23,), 448.0))
     back, big = f.dequantize(), w.abs() >= w.abs().amax(1, keepdim=True) * 2 ** -6
     assert ((back - w).abs()[big] <= w.abs()[big] / 16).all()
-    stacked = quant.cat_rows([f, quant.quantize_fp8_weight(w[:3])])
+    stacked = module("linear").method_of(f).cat_rows([f, quant.quantize_fp8_weight(w[:3])])
     assert torch.equal(stacked.dequantize(), torch.cat([back, f.dequantize()[:3]]))
 
 
@@ -366,14 +366,14 @@ def test_gpu_fp8_kernels_and_write_in_bf16_at_qwen3s_shape():
 def test_gpu_fp8_weights_scaled_mm_and_gemv_in_bf16():
     """fp8 weights at Qwen3-0.6B's projection shapes, bf16: fp8_linear (x quantised per row, torch._scaled_mm)
     against the dequantised weight's matmul, at 256 rows; the GEMV (one row) against the same."""
-    quant, fused, g = module("quant"), module("kernels.fused"), module("kernels.gemv")
-    assert fused.scaled_mm_supported(torch.device("cuda"))
+    quant, linear, g = module("quant"), module("linear"), module("kernels.gemv")
+    assert linear.scaled_mm_supported(torch.device("cuda"))
     for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
         w = quant.quantize_fp8_weight(torch.randn(n, k, device="cuda") / k ** 0.5)
         for rows in (256, 1):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             want = (x.float() @ w.dequantize().T)
-            got = (fused.fp8_linear(x, w) if rows > 1 else g.gemv(x, w.data, weight_scale=w.scale)).float()
+            got = (linear.fp8_linear(x, w) if rows > 1 else g.gemv(x, w.data, weight_scale=w.scale)).float()
             assert ((got - want).abs().max() / want.abs().max()).item() < 5e-2, (n, k, rows)
 
 

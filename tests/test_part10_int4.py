@@ -235,13 +235,13 @@ def test_gpu_int4_gemv_path_equals_the_dequantise_path_up_to_near_ties():
     from helpers import BF16_LOGPROB_MAX_ATOL, compare_completions
     from shared import SamplingParams
 
-    fused = step_module(STEP, "kernels.fused")
+    fused, linear = step_module(STEP, "kernels.fused"), step_module(STEP, "linear")
     prompts = [[(7 * i + 13 * j) % 5000 + 1 for j in range(40 + 9 * i)] for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     outs, calls = {}, []
     limit = fused.TritonLayerOps.gemv4_max_rows
-    original = fused.gemv4
-    fused.gemv4 = lambda *a, **k: calls.append(1) or original(*a, **k)  # noqa: E731 (a graph captures the calls)
+    original = linear.gemv4
+    linear.gemv4 = lambda *a, **k: calls.append(1) or original(*a, **k)  # noqa: E731 (a graph captures the calls)
     for rows in (0, 1):
         fused.TritonLayerOps.gemv4_max_rows = rows
         calls.clear()
@@ -254,6 +254,6 @@ def test_gpu_int4_gemv_path_equals_the_dequantise_path_up_to_near_ties():
             assert (len(calls) > 0) == (rows == 1), (rows, len(calls))
         finally:
             fused.TritonLayerOps.gemv4_max_rows = limit
-    fused.gemv4 = original
+    linear.gemv4 = original
     for i, (a, b) in enumerate(zip(outs[1], outs[0])):
         compare_completions(a.outputs[0], b.outputs[0], BF16_LOGPROB_MAX_ATOL, exact=False, label=f"request {i}")

@@ -46,7 +46,8 @@ from pathlib import Path
 import torch
 
 from .parallel import TensorParallel, is_vocab_parallel, shard, vocab_rows
-from .quant import Q4Weight, cat_rows, quantize_int4, read_gguf
+from .linear import method_of
+from .quant import quantize_int4, read_gguf
 
 
 SUPPORTED = ("llama", "qwen3")
@@ -163,9 +164,7 @@ class TorchLayerOps:
         RMS-normalised first; with silu_mul, weight is [gate; up] and the result silu(gate) * up [M, N / 2]; with
         residual [M, N], it is added to the result (the new residual stream)."""
         h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
-        if isinstance(weight, Q4Weight):  # 4-bit blocks, dequantised for this matmul only (d * q + m)
-            weight = weight.dequantize(h.dtype, out=self.dequantize_buffer(weight))
-        y = h @ weight.T
+        y = method_of(weight).apply(h, weight, self)  # h @ weight.T, as the weight's format computes it (linear.py)
         if silu_mul:
             y = self.silu_mul(y)
         return y + residual if residual is not None else y
@@ -282,11 +281,11 @@ def weight_bytes(weights: dict) -> tuple[int, int]:
     is the embedding)."""
     seen, linear, total = set(), 0, 0
     for name, w in weights.items():
-        key = id(w.packed) if isinstance(w, Q4Weight) else id(w)
-        if key in seen:
+        method = method_of(w)
+        if method.key(w) in seen:
             continue
-        seen.add(key)
-        n = w.nbytes if isinstance(w, Q4Weight) else w.numel() * w.element_size()
+        seen.add(method.key(w))
+        n = method.nbytes(w)
         total += n
         linear += n if ("_proj." in name and name.startswith("model.layers.")) else 0
     return linear, total
@@ -303,19 +302,14 @@ def load_gguf_shard(path: Path, config: "ModelConfig", rank: int, size: int, dev
     on the device (their rows or their inputs, as load_shard cuts a float tensor), every other tensor in dtype."""
     weights = {}
     for name, tensor in read_gguf(path, config.num_heads, config.num_kv_heads).items():
-        cut = shard(name, tensor.shape, rank, size)
-        if isinstance(tensor, Q4Weight):
-            if cut is not None:
-                tensor = tensor.rows(cut[1], cut[2]) if cut[0] == 0 else tensor.columns(cut[1], cut[2])
-            weights[name] = tensor.to(device)
-            continue
+        cut, method = shard(name, tensor.shape, rank, size), method_of(tensor)
         if cut is not None:
             full_rows = tensor.shape[0]
-            tensor = tensor[cut[1]:cut[2]] if cut[0] == 0 else tensor[:, cut[1]:cut[2]]
+            tensor = method.shard(tensor, cut)
             if is_vocab_parallel(name) and tensor.shape[0] < vocab_rows(full_rows, size):
                 tensor = torch.cat([tensor, tensor.new_zeros(vocab_rows(full_rows, size) - tensor.shape[0],
                                                              *tensor.shape[1:])])
-        weights[name] = tensor.to(device=device, dtype=dtype)
+        weights[name] = method.to(tensor, device, dtype)  # 4-bit blocks stay blocks, the rest becomes dtype
     return weights
 
 
@@ -351,7 +345,7 @@ class CausalLM:
         else:
             weights = load_shard(sorted(Path(model_dir).glob("*.safetensors")), tp.rank, tp.size, device, dtype)
         if quantization == "int4":
-            weights = {name: quantize_int4(w) if is_linear(name) and not isinstance(w, Q4Weight) else w
+            weights = {name: quantize_int4(w) if is_linear(name) and not method_of(w).quantized else w
                        for name, w in weights.items()}
         if "lm_head.weight" not in weights:  # tied: the output projection is the embedding matrix
             if not config.tie_word_embeddings:
@@ -438,7 +432,7 @@ def fuse_projections(weights: dict[str, torch.Tensor], config: ModelConfig) -> d
     In place, layer by layer: each layer's separate matrices are freed as soon as its stacked ones exist."""
     for layer in range(config.num_layers):
         a, m = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
-        stack = lambda ws: cat_rows(ws) if isinstance(ws[0], Q4Weight) else torch.cat(ws)  # noqa: E731
+        stack = lambda ws: method_of(ws[0]).cat_rows(ws)  # noqa: E731
         weights[a + "qkv_proj.weight"] = stack([weights.pop(a + n + "_proj.weight") for n in "qkv"])
         weights[m + "gate_up_proj.weight"] = stack([weights.pop(m + "gate_proj.weight"),
                                                     weights.pop(m + "up_proj.weight")])

@@ -89,11 +89,6 @@ class Q4Weight:
                         self.minimum[:, start // GROUP:stop // GROUP])
 
 
-def cat_rows(weights: list[Q4Weight]) -> Q4Weight:
-    """Weights of the same K stacked by output rows (the fused qkv and gate_up): blocks never cross a row."""
-    return Q4Weight(*(torch.cat([getattr(w, f) for w in weights]) for f in ("packed", "scale", "minimum")))
-
-
 def q4_1_from_bytes(raw: np.ndarray, n: int, k: int) -> Q4Weight:
     """A GGUF Q4_1 tensor's bytes (uint8, n * k / 32 blocks of 20, row by row) -> its Q4Weight, no copy of a value
     changed: the nibbles as stored, d and m as their float16 bits."""

@@ -47,7 +47,8 @@ def main() -> None:
 
 
 def show_lesson(llm, args) -> None:
-    from .model import Q4Weight, weight_bytes
+    from .linear import method_of
+    from .model import weight_bytes
     if getattr(args, "quantization", None):  # int4 on load: another model than step28's, so no equality to check
         floats = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))
         for name, engine in (("as shipped", floats), (args.quantization, llm)):
@@ -59,13 +60,13 @@ def show_lesson(llm, args) -> None:
         return
     before_after("step28", "step29", llm, args)  # --requests at once (one by default), phases side by side
     linear, total = weight_bytes(llm.model.w)
-    blocks = any(isinstance(w, Q4Weight) for w in llm.model.w.values())
+    projections = method_of(llm.model.w["model.layers.0.self_attn.qkv_proj.weight"]).name  # their format
     step28 = step_module("step28", "model")
     # step28's weights as its loader builds them (the float checkpoint in this dtype, on the CPU), counted alike
     linear28, total28 = weight_bytes(step28.CausalLM.from_pretrained(llm.config.model_dir, torch.device("cpu"),
                                                                      llm.dtype).w)
     print(f"\nWeights as loaded: step29 {total / 2**20:.0f} MiB, the projections {linear / 2**20:.0f} MiB "
-          f"({'4-bit blocks' if blocks else 'floats'}); step28 {total28 / 2**20:.0f} MiB, the projections "
+          f"({projections}); step28 {total28 / 2**20:.0f} MiB, the projections "
           f"{linear28 / 2**20:.0f} MiB: it holds every weight as {llm.dtype}"
           f" ({step28.__name__.split('.')[1]}: the float checkpoint).")
     if llm.device.type == "cuda":

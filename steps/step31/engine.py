@@ -27,10 +27,10 @@ from .config import EngineConfig, check_enforce_eager, choose_async_scheduling, 
 from .config import VERIFY_GRAPH_MAX_SEQS  # noqa: F401  (the verify graphs' largest batch)
 from .core import EngineCore
 from .detokenizer import IncrementalDetokenizer
+from .linear import method_of
 from .model import weight_bytes, KV_CACHE_DTYPES, ModelConfig, check_kv_cache_dtype  # noqa: F401
 from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks  # noqa: F401
 from .parallel import TensorParallel
-from .quant import Fp8Weight, Q4Weight
 from .sequence import Sequence
 
 
@@ -82,19 +82,11 @@ def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict
     pdl = ", launched as programmatic dependents (PDL)" if model.ops.name == "triton" and model.ops.uses_pdl(
         config.device) else ""
     linear, total = weight_bytes(model.w)  # what the weights take, as loaded (this rank's share)
-    blocks = any(isinstance(w, Q4Weight) for w in model.w.values())
-    fp8 = any(isinstance(w, Fp8Weight) for w in model.w.values())
-    rows4 = model.ops.gemv4_max_rows if blocks and gemv_devices else 0  # the 4-bit GEMV's rows
+    method = method_of(model.w["model.layers.0.self_attn.qkv_proj.weight"])  # every projection has one format
     projections = (f"Triton GEMV at {max_rows} row{'s' if max_rows > 1 else ''} (norm, SiLU * up and residual "
-                   f"fused){pdl}, cuBLAS above" + (f"; the 4-bit blocks: the 4-bit GEMV up to {rows4} rows, above "
-                                                  f"them dequantised for each matmul, then cuBLAS" if rows4 else "")
+                   f"fused){pdl}, cuBLAS above{method.describe_fused(model.ops)}"
                    if config.device.type in gemv_devices else "torch matmuls (norm, SiLU * up and residual beside them)")
-    source = (("4-bit Q4_1 blocks as the GGUF ships them" if config.gguf_file is not None else
-               "int4 blocks rounded on load (groups of 32)") if blocks else
-              "float8 e4m3 rounded on load, a scale per output row" + (
-                  " (dequantised for each matmul on this device)" if config.device.type != "cuda" else "")
-              if fp8 else f"{config.dtype}".replace("torch.", ""))
-    weights = f"weights: {mib(total)}, the projections' {mib(linear)} as {source}"
+    weights = f"weights: {mib(total)}, the projections' {mib(linear)} as {method.describe(config)}"
     experts = ""
     if c.num_experts:  # a mixture of experts, and how this rank runs its experts
         held = model.experts

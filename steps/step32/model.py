@@ -55,7 +55,8 @@ from pathlib import Path
 import torch
 
 from .parallel import TensorParallel, expert_of, is_vocab_parallel, local_experts, shard, vocab_rows
-from .quant import FP8, Fp8Weight, Q4Weight, cat_rows, quantize_fp8, quantize_fp8_weight, quantize_int4, read_gguf
+from .linear import method_of
+from .quant import FP8, quantize_fp8, quantize_fp8_weight, quantize_int4, read_gguf
 
 
 SUPPORTED = ("llama", "qwen3", "qwen3_moe")  # qwen3_moe, a mixture of experts
@@ -204,11 +205,7 @@ class TorchLayerOps:
         RMS-normalised first; with silu_mul, weight is [gate; up] and the result silu(gate) * up [M, N / 2]; with
         residual [M, N], it is added to the result (the new residual stream)."""
         h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
-        if isinstance(weight, Q4Weight):  # 4-bit blocks, dequantised for this matmul only (d * q + m)
-            weight = weight.dequantize(h.dtype, out=self.dequantize_buffer(weight))
-        elif isinstance(weight, Fp8Weight):  # fp8, the same (data * scale)
-            weight = weight.dequantize(h.dtype)
-        y = h @ weight.T
+        y = method_of(weight).apply(h, weight, self)  # h @ weight.T, as the weight's format computes it (linear.py)
         if silu_mul:
             y = self.silu_mul(y)
         return y + residual if residual is not None else y
@@ -363,11 +360,11 @@ def weight_bytes(weights: dict) -> tuple[int, int]:
     is the embedding)."""
     seen, linear, total = set(), 0, 0
     for name, w in weights.items():
-        key = id(w.packed) if isinstance(w, Q4Weight) else id(w.data) if isinstance(w, Fp8Weight) else id(w)
-        if key in seen:
+        method = method_of(w)
+        if method.key(w) in seen:
             continue
-        seen.add(key)
-        n = w.nbytes if isinstance(w, (Q4Weight, Fp8Weight)) else w.numel() * w.element_size()
+        seen.add(method.key(w))
+        n = method.nbytes(w)
         total += n
         linear += n if ("_proj." in name and name.startswith("model.layers.")) else 0
     return linear, total
@@ -385,19 +382,14 @@ def load_gguf_shard(path: Path, config: "ModelConfig", rank: int, size: int, dev
     on the device (their rows or their inputs, as load_shard cuts a float tensor), every other tensor in dtype."""
     weights = {}
     for name, tensor in read_gguf(path, config.num_heads, config.num_kv_heads).items():
-        cut = shard(name, tensor.shape, rank, size)
-        if isinstance(tensor, Q4Weight):
-            if cut is not None:
-                tensor = tensor.rows(cut[1], cut[2]) if cut[0] == 0 else tensor.columns(cut[1], cut[2])
-            weights[name] = tensor.to(device)
-            continue
+        cut, method = shard(name, tensor.shape, rank, size), method_of(tensor)
         if cut is not None:
             full_rows = tensor.shape[0]
-            tensor = tensor[cut[1]:cut[2]] if cut[0] == 0 else tensor[:, cut[1]:cut[2]]
+            tensor = method.shard(tensor, cut)
             if is_vocab_parallel(name) and tensor.shape[0] < vocab_rows(full_rows, size):
                 tensor = torch.cat([tensor, tensor.new_zeros(vocab_rows(full_rows, size) - tensor.shape[0],
                                                              *tensor.shape[1:])])
-        weights[name] = tensor.to(device=device, dtype=dtype)
+        weights[name] = method.to(tensor, device, dtype)  # 4-bit blocks stay blocks, the rest becomes dtype
     return weights
 
 
@@ -440,7 +432,7 @@ class CausalLM:
             weights = load_shard(sorted(Path(model_dir).glob("*.safetensors")), tp.rank, tp.size, device, dtype,
                                  experts if expert_parallel else None)
         if quantization == "int4":
-            weights = {name: quantize_int4(w) if is_linear(name) and not isinstance(w, Q4Weight) else w
+            weights = {name: quantize_int4(w) if is_linear(name) and not method_of(w).quantized else w
                        for name, w in weights.items()}
         elif quantization == "fp8":  # e4m3 with a scale per output row
             weights = {name: quantize_fp8_weight(w) if is_linear(name) else w for name, w in weights.items()}
@@ -551,7 +543,7 @@ def fuse_projections(weights: dict[str, torch.Tensor], config: ModelConfig,
     mlp.experts.down_proj.weight [E, hidden, width]: the grouped GEMM's operands, expert e at index e."""
     for layer in range(config.num_layers):
         a, m = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
-        stack = lambda ws: cat_rows(ws) if isinstance(ws[0], (Q4Weight, Fp8Weight)) else torch.cat(ws)  # noqa: E731
+        stack = lambda ws: method_of(ws[0]).cat_rows(ws)  # noqa: E731
         weights[a + "qkv_proj.weight"] = stack([weights.pop(a + n + "_proj.weight") for n in "qkv"])
         if config.is_moe_layer(layer):
             stack_experts(weights, m, experts if experts is not None else range(config.num_experts))

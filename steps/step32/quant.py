@@ -89,15 +89,6 @@ class Q4Weight:
                         self.minimum[:, start // GROUP:stop // GROUP])
 
 
-def cat_rows(weights: list) -> "Q4Weight | Fp8Weight":
-    """Weights of the same K stacked by output rows (the fused qkv and gate_up): blocks never cross a row (nor
-    do an fp8 weight's per-row scales)."""
-    if isinstance(weights[0], Fp8Weight):
-        return Fp8Weight(torch.cat([w.data.view(torch.uint8) for w in weights]).view(FP8),
-                         torch.cat([w.scale for w in weights]))
-    return Q4Weight(*(torch.cat([getattr(w, f) for w in weights]) for f in ("packed", "scale", "minimum")))
-
-
 @dataclass
 class Fp8Weight:
     """One linear's [N, K] weight in float8 e4m3 with one fp32 scale per output row (per channel): w is

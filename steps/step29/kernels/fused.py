@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import Q4Weight
-from .gemv import gdc_launch_dependents, gdc_wait, gemv, pdl_supported
-from .gemv4 import dequantize4, gemv4
+from ..linear import method_of
+from .gemv import gdc_launch_dependents, gdc_wait, pdl_supported
 
 try:
     import triton
@@ -298,23 +297,18 @@ class TritonLayerOps:
                             k_cache, v_cache, slot_mapping, pdl=self.uses_pdl(qkv.device))
 
     def linear(self, x, weight, norm_weight=None, eps=1e-6, residual=None, silu_mul=False):
-        """model.py's TorchLayerOps.linear. On CUDA with at most gemv_max_rows rows: one GEMV kernel with
-        the norm in its prologue and the activation or the add in its epilogue. Otherwise the norm kernel, cuBLAS
-        (on CUDA the residual added by cuBLAS itself, addmm: no kernel of its own) and the SiLU * up kernel."""
-        blocks = isinstance(weight, Q4Weight)
-        if x.device.type in self.gemv_devices and x.shape[0] <= (self.gemv4_max_rows if blocks else self.gemv_max_rows):
+        """model.py's TorchLayerOps.linear, the weight's format's way (linear.py). With at most its gemv_rows rows on
+        CUDA: one GEMV kernel with the norm in its prologue and the activation or the add in its epilogue. Otherwise
+        the norm kernel, the format's matmul (cuBLAS, adding the residual itself on CUDA) and the SiLU * up kernel."""
+        method = method_of(weight)
+        if x.device.type in self.gemv_devices and x.shape[0] <= method.gemv_rows(self):
             self.launches += 1
-            if blocks:  # 4-bit blocks, dequantised in the kernel's registers
-                return gemv4(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
-            return gemv(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
-        if blocks:  # more rows: the layer dequantised for this matmul, then cuBLAS
-            self.launches += 1
-            weight = dequantize4(weight, x.dtype)
+            return method.gemv(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
         if norm_weight is not None:
             x = self.add_rms_norm(x, None, norm_weight, eps)[0]
         if residual is not None and not silu_mul:
-            return torch.addmm(residual, x, weight.T) if x.is_cuda else x @ weight.T + residual
-        y = x @ weight.T
+            return method.matmul(x, weight, self, residual)
+        y = method.matmul(x, weight, self)
         if silu_mul:
             y = self.silu_mul(y)
         return y + residual if residual is not None else y

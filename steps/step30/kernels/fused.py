@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import FP8_MAX, Fp8Weight, Q4Weight, quantize_fp8
-from .gemv import gdc_launch_dependents, gdc_wait, gemv, pdl_supported
-from .gemv4 import dequantize4, gemv4
+from ..linear import method_of
+from .gemv import gdc_launch_dependents, gdc_wait, pdl_supported
 
 try:
     import triton
@@ -279,24 +278,6 @@ def quantize_write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
             KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads), num_warps=4)
 
 
-def scaled_mm_supported(device) -> bool:
-    """torch._scaled_mm with a scale per row of each operand: CUDA of compute capability 8.9 or more."""
-    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
-            and torch.cuda.get_device_capability(device) >= (8, 9))
-
-
-def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """x [M, K] @ weight.T for an Fp8Weight, M larger than the GEMV takes. On Hopper: x quantised to e4m3
-    with one scale per row (its max |x| / 448, computed now: dynamic, per token), then one fp8 matmul on the tensor
-    cores with both sets of scales applied to its fp32 sums (torch._scaled_mm). Elsewhere: the weight dequantised
-    to x's dtype, then a matmul."""
-    if not scaled_mm_supported(x.device):
-        return x @ weight.dequantize(x.dtype).T
-    x_scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
-    x8 = quantize_fp8(x, x_scale)
-    return torch._scaled_mm(x8, weight.data.t(), scale_a=x_scale, scale_b=weight.scale[None, :], out_dtype=x.dtype)
-
-
 class TritonLayerOps:
     """The model's elementwise groups as the kernels above, one launch each; `launches` counts them."""
 
@@ -351,33 +332,18 @@ class TritonLayerOps:
                             k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None)
 
     def linear(self, x, weight, norm_weight=None, eps=1e-6, residual=None, silu_mul=False):
-        """model.py's TorchLayerOps.linear. On CUDA with at most gemv_max_rows rows: one GEMV kernel with
-        the norm in its prologue and the activation or the add in its epilogue. Otherwise the norm kernel, cuBLAS
-        (on CUDA the residual added by cuBLAS itself, addmm: no kernel of its own) and the SiLU * up kernel."""
-        blocks, fp8 = isinstance(weight, Q4Weight), isinstance(weight, Fp8Weight)
-        if x.device.type in self.gemv_devices and x.shape[0] <= (self.gemv4_max_rows if blocks else self.gemv_max_rows):
+        """model.py's TorchLayerOps.linear, the weight's format's way (linear.py). With at most its gemv_rows rows on
+        CUDA: one GEMV kernel with the norm in its prologue and the activation or the add in its epilogue. Otherwise
+        the norm kernel, the format's matmul (cuBLAS, adding the residual itself on CUDA) and the SiLU * up kernel."""
+        method = method_of(weight)
+        if x.device.type in self.gemv_devices and x.shape[0] <= method.gemv_rows(self):
             self.launches += 1
-            if blocks:  # 4-bit blocks, dequantised in the kernel's registers
-                return gemv4(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
-            if fp8:  # float8 rows converted in registers, each output times its row's scale
-                return gemv(x, weight.data, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device),
-                            weight_scale=weight.scale)
-            return gemv(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
-        if blocks:  # more rows: the layer dequantised for this matmul, then cuBLAS
-            self.launches += 1
-            weight = dequantize4(weight, x.dtype)
-        if fp8:  # more rows: x quantised per row and an fp8 matmul (Hopper), or the weight dequantised
-            if norm_weight is not None:
-                x = self.add_rms_norm(x, None, norm_weight, eps)[0]
-            y = fp8_linear(x, weight)
-            if silu_mul:
-                y = self.silu_mul(y)
-            return y + residual if residual is not None else y
+            return method.gemv(x, weight, norm_weight, eps, residual, silu_mul, pdl=self.uses_pdl(x.device))
         if norm_weight is not None:
             x = self.add_rms_norm(x, None, norm_weight, eps)[0]
         if residual is not None and not silu_mul:
-            return torch.addmm(residual, x, weight.T) if x.is_cuda else x @ weight.T + residual
-        y = x @ weight.T
+            return method.matmul(x, weight, self, residual)
+        y = method.matmul(x, weight, self)
         if silu_mul:
             y = self.silu_mul(y)
         return y + residual if residual is not None else y
