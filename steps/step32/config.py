@@ -144,9 +144,6 @@ class EngineConfig:
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
         self.kv_offloading_size = check_kv_offloading_size(self.kv_offloading_size)
-        if self.kv_offloading_size and self.tensor_parallel_size != 1:
-            raise ValueError("kv_offloading_size: not with tensor_parallel_size > 1 in this step (the host tier's copies "
-                             "run on rank 0's cache only)")
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size: the host tier holds evicted prefix-cache blocks, so it needs "
                              "enable_prefix_caching=True")
