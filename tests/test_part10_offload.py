@@ -255,7 +255,8 @@ def test_a_full_host_tier_drops_its_least_recently_used_block():
     bm.release(a)
     b = FakeRequest(range(100, 113))
     forward(bm, cache, b, tier)  # a's 3 blocks evicted into 2 slots: the first one stored is dropped
-    assert tier.policy.stats["host_stores"] == 3 and tier.policy.stats["host_drops"] == 1 and len(tier.policy.entries) == 2
+    stats = tier.policy.stats
+    assert stats["host_stores"] == 3 and stats["host_drops"] == 1 and len(tier.policy.entries) == 2
     # release() gives a table back last block first, so a's third block was evicted, stored and dropped first: the
     # tier keeps the prefix's start, which a hit needs (hits run from the first block)
     assert a.block_hashes[2] not in tier.policy.entries and a.block_hashes[0] in tier.policy.entries

@@ -116,7 +116,8 @@ class EngineConfig:
     # a mixture of experts over N ranks: False cuts every expert as the MLP is cut (1/N of its width on
     # each rank), True gives each rank E/N whole experts (expert parallelism; parallel.py)
     enable_expert_parallel: bool = False
-    # a second tier for the prefix cache in host memory (pinned on CUDA), in GiB (vLLM's name); None or 0: none
+    # a second tier for the prefix cache in host memory (pinned on CUDA), in GiB over all ranks (vLLM's name); None or
+    # 0: none
     kv_offloading_size: float | None = None
     # found from `model` during the checks: its folder and its config.json
     model_dir: Path = field(init=False)

@@ -176,7 +176,7 @@ class HostKVStore:
         self.stats.update(host_bytes_out=0, host_bytes_in=0)
 
     @classmethod
-    def sized(cls, kv_cache, size_gib: float, device: torch.device, stats: dict | None, tp) -> "HostKVStore":
+    def sized(cls, kv_cache, size_gib: float, device: torch.device, stats: dict | None, tp) -> HostKVStore:
         """size_gib of host memory across the tensor-parallel ranks (vLLM's kv_offloading_size), this rank's share
         in whole blocks of its cache; every rank holds the same number of slots (the least any rank fits)."""
         per_block = block_bytes(kv_cache)
