@@ -544,6 +544,12 @@ MUTATIONS = [
         "        queue, self.queue = self.queue, []\n",
         "        queue, self.queue = sorted(self.queue, key=lambda op: op[0] == \"out\"), []\n",
         ("tests/test_part10_offload.py::test_a_block_evicted_again_before_its_restore_ran",)),
+    Mutation(
+        "step32-workers-skip-host-copies", "step32's tensor-parallel workers never run the host tier's copies",
+        "steps/step32/worker.py",
+        "            runner.execute(work, changes, placeholders, copies=copies)\n",
+        "            runner.execute(work, changes, placeholders, copies=[])\n",
+        ("tests/test_part10_offload.py::test_two_ranks_with_the_tier_equal_one_and_every_rank_copies_its_share",)),
     # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a placeholder's input id (0) instead "

@@ -55,7 +55,8 @@ The features (the step that brings each one in is where its lesson is tested in 
     moe                 a mixture of experts (Qwen3-MoE): route, kernels/moe.py's grouped GEMMs (fused == the loop over
                         experts), enable_expert_parallel
     kv_offload          kv_offloading_size: evicted prefix-cache blocks stored in host memory and restored on a hit
-                        (offload.py's HostKVTier), copies in the order asked, before the forward that reads them
+                        (offload.py: HostKVTier decides, HostKVStore on every rank copies), in the order asked,
+                        before the forward that reads them
 """
 from __future__ import annotations
 

@@ -9,15 +9,17 @@ What is proven here, on the CPU (both tiers are host memory; the mechanism and i
 - the block manager and the tier on a fake cache whose every block holds a value of its tokens: restored blocks hold
   their tokens' values; a block evicted again before its restore ran, an abort while restores are queued, a full
   tier (its least recently used block dropped), a hash collision (refused);
-- bad input: a negative size, a size that holds no block, a size above the host's available memory, the tier with
-  tensor parallelism or without prefix caching.
+- tensor parallelism over gloo: two ranks with the tier give one rank's tokens, and each rank copied its own share
+  of every block stored and restored (the copies travel with the step);
+- bad input: a negative size, a size that holds no block, a size above the host's available memory, the tier without
+  prefix caching.
 On the GPU (marked gpu): the same chats on CUDA (side-stream copies) follow the engine without the tier."""
 import importlib
 
 import pytest
 import torch
 
-from helpers import BF16_LOGPROB_MAX_ATOL, FakeRequest, compare_completions, load_engine
+from helpers import BF16_LOGPROB_MAX_ATOL, TP_LOGPROB_ATOL_FP32, FakeRequest, compare_completions, load_engine
 from registry import introducing, last_before
 from shared import SamplingParams
 
@@ -89,7 +91,7 @@ def test_quantised_caches_go_to_host_memory_and_back(kv_cache_dtype):
     llm = load_engine(TIER).LLM("random:tiny-qwen3", kv_offloading_size=0.001, **options)
     out = chat(llm, conversations=5, turns=3)
     assert llm.stats["host_restores"] > 0
-    assert (llm.host_tier.scales is not None) == (kv_cache_dtype == "int8")
+    assert (llm.runner.host_store.scales is not None) == (kv_cache_dtype == "int8")
     for turn, (a_turn, b_turn) in enumerate(zip(out, ref)):
         for i, (a, b) in enumerate(zip(a_turn, b_turn)):
             compare_completions(a, b, 1e-4, exact=False, label=f"turn {turn} conversation {i}")
@@ -114,6 +116,36 @@ def test_preempted_requests_resume_from_the_host_tier():
     assert llm.scheduler.num_preemptions > 0 and llm.stats["host_restores"] > 0
 
 
+def test_two_ranks_with_the_tier_equal_one_and_every_rank_copies_its_share():
+    """tp=2 over gloo with the host tier: rank 0 decides what is stored and restored, and the step carries the copies
+    to both ranks, each running them on its own half of the KV heads. The chats give one rank's tokens (logprobs
+    within the all-reduce's reordering bound), as many blocks were restored as on one rank, and each rank copied
+    every stored and restored block's share of its own cache (a worker that skipped its copies would attend to
+    blocks holding another request's K and V)."""
+    options = dict(device="cpu", dtype="float32", max_kv_tokens=256, max_num_seqs=4, kv_offloading_size=0.002)
+    LLM = load_engine(TIER).LLM
+    one = LLM("random:tiny-qwen3", **options)
+    ref = chat(one, conversations=5, turns=3)
+    llm = LLM("random:tiny-qwen3", tensor_parallel_size=2, **options)
+    try:
+        out = chat(llm, conversations=5, turns=3)
+        workers = llm.workers.host_counts()
+        rank0 = {k: v for k, v in llm.stats.items() if k.startswith("host_")}
+        per_block = llm.runner.host_store.bytes_per_block
+    finally:
+        llm.shutdown()
+    for turn, (a_turn, b_turn) in enumerate(zip(out, ref)):
+        for i, (a, b) in enumerate(zip(a_turn, b_turn)):
+            compare_completions(a, b, TP_LOGPROB_ATOL_FP32, label=f"turn {turn} conversation {i}")
+    s = one.stats
+    assert s["host_restores"] > 0 and rank0["host_restores"] == s["host_restores"]
+    assert rank0["host_stores"] == s["host_stores"] and rank0["host_blocks"] == s["host_blocks"]
+    assert 2 * per_block == one.runner.host_store.bytes_per_block  # each rank holds half of a block
+    for counts in [rank0, *workers]:
+        assert counts["host_bytes_in"] == s["host_restores"] * per_block
+        assert counts["host_bytes_out"] == s["host_stores"] * per_block
+
+
 # ---- the block manager and the tier on a fake cache ----------------------------------------------------------------
 class FakeCache:
     """A cache of num_blocks blocks of 4 tokens, one layer, one KV head, head_dim 2: data [2, 1, blocks, 4, 1, 2]."""
@@ -123,18 +155,31 @@ class FakeCache:
         self.scales = None
 
 
+class FakeTier:
+    """The tier's two halves on a fake cache: the decisions (HostKVTier) and the host blocks (HostKVStore); run()
+    runs the copies decided so far, as a step does before its forward."""
+
+    def __init__(self, cache, host_slots):
+        offload = module("offload")
+        self.policy = offload.HostKVTier(host_slots)
+        self.store = offload.HostKVStore(cache, host_slots, torch.device("cpu"), self.policy.stats)
+
+    def run(self):
+        self.store.run(self.policy.copies())
+
+
 def manager(num_blocks=4, host_slots=8):
     cache = FakeCache(num_blocks)
-    tier = module("offload").HostKVTier(cache, host_slots, torch.device("cpu"))
-    return module("block_manager").BlockManager(num_blocks, 4, True, host=tier), tier, cache
+    tier = FakeTier(cache, host_slots)
+    return module("block_manager").BlockManager(num_blocks, 4, True, host=tier.policy), tier, cache
 
 
-def forward(bm, cache, req):
+def forward(bm, cache, req, tier):
     """Admit req if it has no blocks (prefix hits and restores), run the tier's copies, then 'compute' its blocks
     past the cached ones: each block's K and V become the value of its tokens (their sum), then cache them."""
     if not req.block_table:
         req.num_computed_tokens = bm.allocate(req, req.num_tokens)
-    bm.host.flush()
+    tier.run()
     for i in range(req.num_computed_tokens // 4, bm.blocks_for(req.num_tokens)):
         cache.data[:, :, req.block_table[i]] = float(sum(req.token_ids[i * 4:(i + 1) * 4]))
     req.num_computed_tokens = req.num_tokens
@@ -143,26 +188,26 @@ def forward(bm, cache, req):
 
 def check_content(bm, tier, cache):
     """Every cached GPU block and every host slot holds its tokens' value; the blocks and slots balance."""
-    tier.flush()
+    tier.run()
     for h, b in bm.cached.items():
         assert (cache.data[:, :, b] == float(sum(bm.blocks[b].token_ids))).all(), f"GPU block {b}"
-    for h, e in tier.entries.items():
-        assert (tier.data[e.slot] == float(sum(e.token_ids))).all(), f"host slot {e.slot}"
+    for h, e in tier.policy.entries.items():
+        assert (tier.store.data[e.slot] == float(sum(e.token_ids))).all(), f"host slot {e.slot}"
     bm.check_balance()
 
 
 def test_evicted_blocks_come_back_from_host_memory():
     bm, tier, cache = manager()
     a = FakeRequest(range(1, 14))  # 3 full blocks + 1 token: 4 blocks, the whole pool
-    forward(bm, cache, a)
+    forward(bm, cache, a, tier)
     bm.release(a)
     b = FakeRequest(range(100, 113))  # other tokens: evicts all of a's cached blocks into the host tier
-    forward(bm, cache, b)
+    forward(bm, cache, b, tier)
     bm.release(b)
-    assert tier.stats["host_stores"] == 3 and not any(h in bm.cached for h in a.block_hashes)
+    assert tier.policy.stats["host_stores"] == 3 and not any(h in bm.cached for h in a.block_hashes)
     again = FakeRequest(range(1, 14))
-    forward(bm, cache, again)
-    assert bm.stats["host_hits"] == 3 and tier.stats["host_restores"] == 3
+    forward(bm, cache, again, tier)
+    assert bm.stats["host_hits"] == 3 and tier.policy.stats["host_restores"] == 3
     check_content(bm, tier, cache)
 
 
@@ -173,19 +218,19 @@ def test_a_block_evicted_again_before_its_restore_ran():
     bm, tier, cache = manager()
     a, b = FakeRequest(range(1, 14)), FakeRequest(range(100, 113))
     for r in (a, b):
-        forward(bm, cache, r)
+        forward(bm, cache, r, tier)
         bm.release(r)
     again = FakeRequest(range(1, 14))
     again.num_computed_tokens = bm.allocate(again, again.num_tokens)  # 3 restores queued, not run
-    assert len(tier.queue) == 3 + 3  # b's blocks stored (a's took the pool), then a's restored
+    assert len(tier.policy.queue) == 3 + 3  # b's blocks stored (a's took the pool), then a's restored
     bm.release(again)  # an abort during the restore
     bm.check_balance()
     c = FakeRequest(range(200, 213))  # takes every block: a's restored blocks are evicted again (already in the tier)
-    forward(bm, cache, c)
+    forward(bm, cache, c, tier)
     bm.release(c)
     check_content(bm, tier, cache)
     third, before = FakeRequest(range(1, 14)), bm.stats["host_hits"]
-    forward(bm, cache, third)
+    forward(bm, cache, third, tier)
     assert bm.stats["host_hits"] == before + 3
     check_content(bm, tier, cache)
 
@@ -193,11 +238,11 @@ def test_a_block_evicted_again_before_its_restore_ran():
 def test_an_abort_during_a_restore_gives_every_block_back():
     bm, tier, cache = manager()
     for r in (FakeRequest(range(1, 14)), FakeRequest(range(100, 113))):
-        forward(bm, cache, r)
+        forward(bm, cache, r, tier)
         bm.release(r)
     again = FakeRequest(range(1, 14))
     bm.allocate(again, again.num_tokens)
-    assert tier.queue and len(again.block_table) == 4
+    assert tier.policy.queue and len(again.block_table) == 4
     bm.release(again)
     assert bm.num_free_blocks == 4
     check_content(bm, tier, cache)
@@ -206,25 +251,26 @@ def test_an_abort_during_a_restore_gives_every_block_back():
 def test_a_full_host_tier_drops_its_least_recently_used_block():
     bm, tier, cache = manager(num_blocks=4, host_slots=2)
     a = FakeRequest(range(1, 14))
-    forward(bm, cache, a)
+    forward(bm, cache, a, tier)
     bm.release(a)
     b = FakeRequest(range(100, 113))
-    forward(bm, cache, b)  # a's 3 blocks evicted into 2 slots: the first one stored is dropped
-    assert tier.stats["host_stores"] == 3 and tier.stats["host_drops"] == 1 and len(tier.entries) == 2
+    forward(bm, cache, b, tier)  # a's 3 blocks evicted into 2 slots: the first one stored is dropped
+    stats = tier.policy.stats
+    assert stats["host_stores"] == 3 and stats["host_drops"] == 1 and len(tier.policy.entries) == 2
     # release() gives a table back last block first, so a's third block was evicted, stored and dropped first: the
     # tier keeps the prefix's start, which a hit needs (hits run from the first block)
-    assert a.block_hashes[2] not in tier.entries and a.block_hashes[0] in tier.entries
+    assert a.block_hashes[2] not in tier.policy.entries and a.block_hashes[0] in tier.policy.entries
     check_content(bm, tier, cache)
     bm.release(b)
     again = FakeRequest(range(1, 14))
-    forward(bm, cache, again)
-    assert bm.stats["host_hits"] == 2 and tier.stats["host_restores"] == 2
+    forward(bm, cache, again, tier)
+    assert bm.stats["host_hits"] == 2 and tier.policy.stats["host_restores"] == 2
     check_content(bm, tier, cache)
 
 
 def test_a_hash_collision_is_refused():
     """The tier trusts no hash alone: the same hash with other tokens, or after another block, is a miss."""
-    _, tier, cache = manager()
+    tier = module("offload").HostKVTier(8)
     tier.store(0, 1234, (1, 2, 3, 4), None)
     assert tier.lookup(1234, (1, 2, 3, 4), None) is not None
     assert tier.lookup(1234, (1, 2, 3, 5), None) is None
@@ -240,7 +286,6 @@ def test_a_hash_collision_is_refused():
     (dict(kv_offloading_size="4"), "kv_offloading_size must be a size in GiB"),
     (dict(kv_offloading_size=1e-9), "holds no block of the cache"),
     (dict(kv_offloading_size=1, enable_prefix_caching=False), "needs enable_prefix_caching=True"),
-    (dict(kv_offloading_size=1, tensor_parallel_size=2), "not with tensor_parallel_size > 1"),
 ])
 def test_bad_host_tier_options_are_value_errors(options, expected):
     with pytest.raises(ValueError, match=expected):
@@ -284,7 +329,7 @@ def test_gpu_chats_with_the_host_tier_follow_the_engine_without_it():
     ref = chat(load_engine(TIER).LLM("random:tiny-qwen3", **options))
     llm = load_engine(TIER).LLM("random:tiny-qwen3", kv_offloading_size=0.001, **options)
     out = chat(llm, check=lambda e: e.block_manager.check_balance())
-    assert llm.stats["host_restores"] > 0 and llm.host_tier.data.is_pinned()
+    assert llm.stats["host_restores"] > 0 and llm.runner.host_store.data.is_pinned()
     for turn, (a_turn, b_turn) in enumerate(zip(out, ref)):
         for i, (a, b) in enumerate(zip(a_turn, b_turn)):
             compare_completions(a, b, BF16_LOGPROB_MAX_ATOL, exact=False, label=f"turn {turn} conversation {i}")

@@ -28,10 +28,11 @@ it is read. The blocks registered (cache_full_blocks) and looked up (_cached_pre
 computed token is known (the engine reads step N's tokens before step N + 1's are counted computed), and a request
 is looked up only while it waits, when it has none.
 
-host, when given, is a second tier (offload.py's HostKVTier). An evicted cached block is stored there before
-its GPU block is taken (_take_free_block), and admission looks a prompt's blocks up there once the GPU's prefix cache
-misses (allocate): each host hit takes a GPU block, enters the prefix cache as a hit would, and is restored from host
-memory before the forward that reads it. stats["host_hits"] counts them, stats["tokens_saved"] includes them.
+host, when given, is a second tier's decisions (offload.py's HostKVTier; every rank's HostKVStore runs its copies).
+An evicted cached block is stored there before its GPU block is taken (_take_free_block), and admission looks a
+prompt's blocks up there once the GPU's prefix cache misses (allocate): each host hit takes a GPU block, enters the
+prefix cache as a hit would, and is restored from host memory before the forward that reads it. stats["host_hits"]
+counts them, stats["tokens_saved"] includes them.
 """
 from __future__ import annotations
 

@@ -116,7 +116,8 @@ class EngineConfig:
     # a mixture of experts over N ranks: False cuts every expert as the MLP is cut (1/N of its width on
     # each rank), True gives each rank E/N whole experts (expert parallelism; parallel.py)
     enable_expert_parallel: bool = False
-    # a second tier for the prefix cache in host memory (pinned on CUDA), in GiB (vLLM's name); None or 0: none
+    # a second tier for the prefix cache in host memory (pinned on CUDA), in GiB over all ranks (vLLM's name); None or
+    # 0: none
     kv_offloading_size: float | None = None
     # found from `model` during the checks: its folder and its config.json
     model_dir: Path = field(init=False)
@@ -144,9 +145,6 @@ class EngineConfig:
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
         self.kv_offloading_size = check_kv_offloading_size(self.kv_offloading_size)
-        if self.kv_offloading_size and self.tensor_parallel_size != 1:
-            raise ValueError("kv_offloading_size: not with tensor_parallel_size > 1 in this step (the host tier's copies "
-                             "run on rank 0's cache only)")
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size: the host tier holds evicted prefix-cache blocks, so it needs "
                              "enable_prefix_caching=True")

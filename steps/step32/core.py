@@ -62,7 +62,7 @@ from shared import RequestMetrics, RequestOutput, SamplingParams, Tokenizer
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .offload import HostKVTier, block_bytes
+from .offload import HostKVTier
 from .output import Finish, check_stop
 from .parallel import TensorParallel, WorkerError, rank_device
 from .sampler import request_seed
@@ -115,16 +115,8 @@ class EngineCore:
         self.stats.update(discarded_tokens=0, overlapped_launches=0)
         self.stats["emitted_tokens"] = 0  # every emitted token
         self.drafter = Drafter(self.speculative, self.stats, self.timers)  # its counters join the stats
-        self.host_tier = None  # the prefix cache's second tier, in host memory (offload.py)
-        if config.kv_offloading_size:
-            per_block = block_bytes(self.runner.kv_cache)
-            slots = int(config.kv_offloading_size * 2**30) // per_block
-            if slots < 1:
-                self.shutdown()
-                raise ValueError(f"kv_offloading_size={config.kv_offloading_size} GiB holds no block of the cache "
-                                 f"({per_block} bytes a block)")
-            self.host_tier = self.runner.host_tier = HostKVTier(self.runner.kv_cache, slots, self.device, self.stats)
-            self.memory.update(host_blocks=slots, host_bytes=slots * per_block)
+        # the prefix cache's second tier, in host memory (offload.py): its decisions here, its blocks on every rank
+        self.host_tier = HostKVTier(self.memory["host_blocks"], self.stats) if config.kv_offloading_size else None
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
         # a request's released blocks free its block-table row in the runner
         self.block_manager = BlockManager(self.memory["num_blocks"], config.block_size, config.enable_prefix_caching,
@@ -141,8 +133,6 @@ class EngineCore:
         self.is_shut_down = True
         self.in_flight = None  # its results are not read (runner.release waits for the device first)
         self.kv_cache = None  # before the runner hands the memory back: no reference to the cache may be left
-        if getattr(self, "host_tier", None) is not None:  # its queued copies run, then it lets go
-            self.host_tier.release()
         if getattr(self, "runner", None) is not None:
             self.runner.release()
 
@@ -219,7 +209,7 @@ class EngineCore:
         sampled = [scheduled[i] for i in rows]
         try:
             # the forward, one sampler call for the batch, and the verdict on the drafts
-            launched, verdicts = self.runner.execute_model(work, rows, drafts=spec)
+            launched, verdicts = self.runner.execute_model(work, rows, drafts=spec, copies=self._host_copies())
             with timer("schedule"):
                 # a drafting sequence counts its tokens as computed after the verdict, not before
                 self.scheduler.postprocess([(seq, n) for i, (seq, n) in enumerate(work) if i not in spec])
@@ -312,6 +302,10 @@ class EngineCore:
                 self.scheduler.postprocess([(seq, n) for seq, n in work if seq.status is SequenceStatus.RUNNING])
         return outputs
 
+    def _host_copies(self) -> list:
+        """The host tier's copies that this step's scheduling asked for: the step carries them to every rank."""
+        return self.host_tier.copies() if self.host_tier is not None else []
+
     def _launch(self, work) -> SimpleNamespace | None:
         """Step N + 1's forward and sampling, queued on the device. A sequence whose newest input is step N's token
         (a placeholder) has it filled on the device; each sequence that samples gets a placeholder for its token.
@@ -329,7 +323,8 @@ class EngineCore:
             rows = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n == seq.num_tokens]
             # inputs past the tokens the host knows: a sequence's newest one, step N's token, still on the device
             placeholders = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n > len(seq.token_ids)]
-        results, _ = self.runner.execute_model(work, rows, placeholders=placeholders, keep_on_device=True)
+        results, _ = self.runner.execute_model(work, rows, placeholders=placeholders, keep_on_device=True,
+                                               copies=self._host_copies())
         if results is None:
             return None
         sampled = [scheduled[i] for i in rows]

@@ -194,7 +194,7 @@ class ModelRunner:
         self.draws = {"fused": 0, "torch": 0}  # sampling steps by path
         self.results_event = None  # the CUDA event behind the newest results' copies to the host (start_read_back)
         self.workers = workers  # rank 0 of a tensor-parallel group: parallel.py's Workers (None: alone, or a worker)
-        self.host_tier = None  # the prefix cache's host tier (offload.py), set by the engine: flushed per forward
+        self.host_store = None  # this rank's host blocks (offload.py), set by build_rank: a step's copies run here
         # [max_num_seqs] int64, the newest token sampled for each block-table row, written on the device
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         # tensor parallel: rank 0 broadcasts last_token to the workers after each step that samples, so
@@ -246,6 +246,8 @@ class ModelRunner:
         rows now, and hand the freed memory back to the device, so that a new engine in this process can have it
         at once rather than when the garbage collector finds this one. The runner runs no step after this."""
         self.graphs = self.verify_graphs = None
+        if self.host_store is not None:  # its queued copies finish first
+            self.host_store.release()
         self.kv_cache = self.model.kv_cache = None
         self.block_tables = None
         if self.device.type == "cuda":
@@ -360,7 +362,7 @@ class ModelRunner:
                 and all(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work))
 
     def execute(self, work: list[tuple[Sequence, int]], changes=None, placeholders=(),
-                logits_rows: list[int] | None = None) -> torch.Tensor:
+                logits_rows: list[int] | None = None, copies=()) -> torch.Tensor:
         """Run the scheduled work in one forward: every (sequence, new tokens) side by side in one flat batch.
         A step of decodes replays its bucket's graph; any other step runs eagerly.
         -> the logits of each sequence's last new token, in the order of the work: [S, vocab].
@@ -369,19 +371,21 @@ class ModelRunner:
         placeholders: the indices in work of the sequences whose last new token is a placeholder (sampled
         by the step before, not read by the host): its input id is its row's last_token, on the device.
         logits_rows (flat token indices) -> the logits of those tokens instead; such a step runs eagerly,
-        on one rank (the engine refuses speculation with tensor parallelism)."""
+        on one rank (the engine refuses speculation with tensor parallelism). copies: the host tier's (offload.py),
+        run by every rank on its own blocks before the forward."""
         if self.results_event is not None and not self.results_event.query():  # the device still runs a step
             self.stats["overlapped_launches"] += 1  # whose results the host has not read: this one overlaps
         if changes is None:  # rank 0 (or alone) decides the rows; a worker is given them
             with self.timers.phase("prepare inputs"):
                 changes = self.block_tables.changes(work)
-        if self.host_tier is not None:  # the host tier's copies, ordered before this forward
+        if copies:  # the host tier's copies, ordered before this forward
             with self.timers.phase("prepare inputs"):
-                self.host_tier.flush()
+                self.host_store.run(copies)
         if self.workers is None:
             return self._execute(work, changes, placeholders, logits_rows)
         samples = any(seq.num_computed_tokens + n == seq.num_tokens for seq, n in work)
-        self.workers.start_step(self.model.tp, work, changes, placeholders, share_tokens=self.share_tokens and samples)
+        self.workers.start_step(self.model.tp, work, changes, placeholders, copies,
+                                share_tokens=self.share_tokens and samples)
         try:
             return self._execute(work, changes, placeholders)
         except BaseException as e:
@@ -431,7 +435,7 @@ class ModelRunner:
             return graphs.launch(size, size * graphs.query_len)[picked]
 
     def execute_model(self, work: list[tuple[Sequence, int]], sample_rows: list[int], placeholders=(),
-                      keep_on_device: bool = False, drafts: dict[int, list[int]] | None = None):
+                      keep_on_device: bool = False, drafts: dict[int, list[int]] | None = None, copies=()):
         """One step on the device: the forward of every row of the work (execute), then one sampler call for the
         rows that sample (sample_rows, indices into work: a decode, or a chunk that reaches its prompt's end), queued
         (launch_sample), and the verdict on the drafts ({index in work: drafts}; verify, one wait). A drafting
@@ -445,7 +449,7 @@ class ModelRunner:
                 first_row.append(len(logits_rows))
                 logits_rows += range(start, start + n) if i in drafts else [start + n - 1]
                 start += n
-        logits = self.execute(work, placeholders=placeholders, logits_rows=logits_rows)  # in the order of the work
+        logits = self.execute(work, placeholders=placeholders, logits_rows=logits_rows, copies=copies)  # work's order
         launched = verdicts = None
         if sample_rows:
             with self.timers.phase("sample"):

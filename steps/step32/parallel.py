@@ -264,12 +264,16 @@ class StepRow:
         return self.tables.rows[self.row, :self.tables.lengths[self.row]].tolist()
 
 
-def pack_work(work, changes, placeholders=()) -> torch.Tensor:
+COPY_KINDS = ("out", "in")  # a host-tier copy's kind, as pack_work numbers it
+
+
+def pack_work(work, changes, placeholders=(), copies=()) -> torch.Tensor:
     """The scheduled [(sequence, new tokens)] and their block-table changes (BlockTables.changes: each one's row, how
     many blocks the row holds, the blocks new since) -> one int64 tensor: S, then per row (start, n, length, table
-    row, blocks held, new blocks, placeholder), then every row's new token ids, then every row's new blocks.
-    placeholders: the indices in work of the rows whose last new token is a placeholder (model_runner.py's
-    execute): such a row's placeholder is 1 and its ids are its n - 1 known ones."""
+    row, blocks held, new blocks, placeholder), then every row's new token ids, then every row's new blocks, then
+    the host tier's copies (offload.py: how many, then kind, from, to of each). placeholders: the indices in work
+    of the rows whose last new token is a placeholder (model_runner.py's execute): such a row's placeholder is 1 and
+    its ids are its n - 1 known ones."""
     late = set(placeholders)
     head, ids, blocks = [len(work)], [], []
     for i, ((seq, n), (row, held, new)) in enumerate(zip(work, changes)):
@@ -277,12 +281,14 @@ def pack_work(work, changes, placeholders=()) -> torch.Tensor:
         head += [start, n, seq.num_tokens, row, held, len(new), placeholder]
         ids += seq.token_ids[start:start + n - placeholder]
         blocks += new
-    return torch.tensor(head + ids + blocks, dtype=torch.int64)
+    tail = [len(copies)] + [v for kind, a, b in copies for v in (COPY_KINDS.index(kind), a, b)]
+    return torch.tensor(head + ids + blocks + tail, dtype=torch.int64)
 
 
-def unpack_work(packed: torch.Tensor, tables) -> tuple[list[tuple[StepRow, int]], list, list[int]]:
-    """pack_work's tensor -> ([(StepRow, new tokens)], the block-table changes, the placeholders): the work as rank 0
-    scheduled it, its rows read from `tables` (this worker's BlockTables, once the changes are written there)."""
+def unpack_work(packed: torch.Tensor, tables) -> tuple[list[tuple[StepRow, int]], list, list[int], list]:
+    """pack_work's tensor -> ([(StepRow, new tokens)], the block-table changes, the placeholders, the host tier's
+    copies): the work as rank 0 scheduled it, its rows read from `tables` (this worker's BlockTables, once the
+    changes are written there)."""
     values = packed.tolist()
     num = values[0]
     heads = [values[1 + 7 * i:8 + 7 * i] for i in range(num)]
@@ -296,7 +302,8 @@ def unpack_work(packed: torch.Tensor, tables) -> tuple[list[tuple[StepRow, int]]
         if placeholder:
             placeholders.append(i)
         id_at, block_at = id_at + known, block_at + num_new
-    return work, changes, placeholders
+    copies = [(COPY_KINDS[k], a, b) for k, a, b in zip(*[iter(values[block_at + 1:])] * 3)]
+    return work, changes, placeholders, copies
 
 
 # ---- what the worker processes share with rank 0 ----------------------------------------------------------------------------

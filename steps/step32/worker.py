@@ -24,6 +24,7 @@ from .attention import BACKENDS
 from .config import EngineConfig
 from .model import CausalLM
 from .model_runner import ModelRunner
+from .offload import HostKVStore
 from .parallel import (TIMEOUT_S, TensorParallel, WorkerError, WorkerValueError, free_port, pack_work,  # noqa: F401
                        rank_device, unpack_work)
 from .timers import PhaseTimers
@@ -73,6 +74,9 @@ def build_rank(config: EngineConfig, device: torch.device, tp: TensorParallel):
     if off is None:
         graphs.update(runner.capture_graphs(c.block_size))
         memory["graph_pool_bytes"] = graphs["pool_bytes"]
+    if c.kv_offloading_size:  # this rank's host blocks; the tier's decisions are rank 0's (core.py)
+        runner.host_store = HostKVStore.sized(runner.kv_cache, c.kv_offloading_size, device, runner.stats, tp)
+        memory.update(host_blocks=runner.host_store.num_slots, host_bytes=runner.host_store.nbytes * tp.size)
     return runner, memory, graphs
 
 
@@ -199,13 +203,14 @@ class Workers:
         if failure:
             self._fail(failure)
 
-    def start_step(self, tp: TensorParallel, work, changes, placeholders=(), share_tokens: bool = False) -> None:
-        """Ring every doorbell (the size of the step's inputs), then broadcast the inputs (the work and its
-        block-table changes): the workers run the same forward as rank 0 from here. placeholders: the work's
-        rows whose last input is filled on the device (pack_work); share_tokens, the doorbell says "step+tokens":
-        after the forward each worker also receives rank 0's last_token."""
+    def start_step(self, tp: TensorParallel, work, changes, placeholders=(), copies=(),
+                   share_tokens: bool = False) -> None:
+        """Ring every doorbell (the size of the step's inputs), then broadcast the inputs (the work, its
+        block-table changes and the host tier's copies): the workers run the same copies and forward as rank 0 from
+        here. placeholders: the work's rows whose last input is filled on the device (pack_work); share_tokens, the
+        doorbell says "step+tokens": after the forward each worker also receives rank 0's last_token."""
         self.check_alive()
-        packed = pack_work(work, changes, placeholders)
+        packed = pack_work(work, changes, placeholders, copies)
         try:
             for conn in self.conns:
                 conn.send(("step+tokens" if share_tokens else "step", packed.numel()))
@@ -218,10 +223,18 @@ class Workers:
         """Each worker's block-table rows as it holds them now, {row: its blocks} (BlockTables.held), asked between
         steps: what a test compares with rank 0's own rows. A worker hears of no release: a row rank 0 has freed
         keeps its last table there until rank 0 hands the row out again, whole from its first entry."""
+        return self._ask("tables")
+
+    def host_counts(self) -> list[dict[str, int] | None]:
+        """Each worker's host-tier counters (the bytes its HostKVStore copied each way), asked between steps;
+        None where the engine has no tier."""
+        return self._ask("host")
+
+    def _ask(self, word: str) -> list:
         self.check_alive()
         for conn in self.conns:
-            conn.send(("tables", None))
-        return [self._expect(rank, p, conn, "tables")
+            conn.send((word, None))
+        return [self._expect(rank, p, conn, word)
                 for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1)]
 
     def shutdown(self) -> None:
@@ -265,8 +278,12 @@ def worker_main(rank: int, size: int, init_method: str, device: str, config: Eng
             if kind == "tables":  # rank 0 asks for this worker's block-table rows
                 conn.send(("tables", runner.block_tables.held()))
                 continue
-            work, changes, placeholders = unpack_work(tp.broadcast_inputs(None, numel), runner.block_tables)
-            runner.execute(work, changes, placeholders)
+            if kind == "host":  # ... or for its host tier's counters
+                conn.send(("host", runner.host_store and {k: v for k, v in runner.stats.items()
+                                                          if k.startswith("host_")}))
+                continue
+            work, changes, placeholders, copies = unpack_work(tp.broadcast_inputs(None, numel), runner.block_tables)
+            runner.execute(work, changes, placeholders, copies=copies)
             if kind == "step+tokens":  # rank 0's sampled tokens, for this rank's placeholders' inputs
                 tp.broadcast_tokens(runner.last_token)
     except (EOFError, KeyboardInterrupt):
