@@ -140,7 +140,7 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto", max_num_seqs: int = 1):
         self.model, self.device, self.dtype = model, device, dtype
         self.kv_cache_dtype = kv_cache_dtype  # "auto" (the model's dtype) or "int8" (model.py's KVCache)
-        self.kv_spec = kv_spec_of(model.config, dtype, kv_cache_dtype)  # what one token's cache holds
+        self.kv_spec: KVSpec | None = None  # what one token's cache holds (kv_spec.py): set with the cache
         self.timers = timers  # the engine's phase timers: "prepare inputs", "forward" and "sample" are ours
         self.stats = stats  # the engine's counters: we count model forwards
         self.kv_cache: KVCache | None = None
@@ -154,6 +154,7 @@ class ModelRunner:
         choice): that many tokens. Else (CUDA): profile one forward of the largest step (warmup_tokens prompt
         tokens), then give the cache what is left of gpu_memory_utilization x the device's memory after the
         weights and that forward's peak. -> what was decided (blocks, bytes per token, why)."""
+        self.kv_spec = kv_spec_of(self.model.config, self.dtype, self.kv_cache_dtype)
         per_token = self.kv_spec.bytes_per_token
         memory = {"bytes_per_token": per_token, "block_size": block_size, "kv_cache_dtype": self.kv_cache_dtype,
                   "kv_dtype": self.kv_spec.dtype, "kv_spec": self.kv_spec}
