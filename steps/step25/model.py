@@ -443,7 +443,7 @@ class KVCache:
     data[0] holds K and data[1] holds V, each [layers, num_blocks, block_size, kv_heads, head_dim].
     k[layer] and v[layer] are views of it (no copies).
 
-    data has spec's dtype (kv_spec.py). kv_cache_dtype "auto": the model's, and k_scale / v_scale are None. "int8":
+    data has the KVSpec's dtype. kv_cache_dtype "auto": the model's, and k_scale / v_scale are None. "int8":
     int8, and scales [2, layers, num_blocks, block_size, kv_heads] fp32 holds one scale per (token, KV head);
     k_scale[layer] and v_scale[layer] are its views, [num_blocks, block_size, kv_heads]."""
 
