@@ -141,7 +141,8 @@ def test_the_import_check_sees_names_loaded_at_run_time(tmp_path):
 # one, and the imports (at the top of a file or inside a function) form no circle. A new module gets its place here.
 LAYERS = [
     {"kernels.*", "quant",  # the Triton kernels (steps 15 on); step29: the 4-bit blocks they read
-     "linear"},  # step29: a linear method per weight format (TritonLayerOps asks it; it calls the GEMV kernels)
+     "linear",  # step29: a linear method per weight format (TritonLayerOps asks it; it calls the GEMV kernels)
+     "kv_spec"},  # step20: what one token's KV cache holds, per kv_cache_dtype (no torch, as wire: the front end's too)
     {"sequence", "detokenizer", "scheduler", "block_manager", "sampler", "timers", "cuda_graphs", "parallel",
      "speculative",  # step27: the config and the proposer of drafts
      "wire",  # step26: the messages between the front end and the engine core

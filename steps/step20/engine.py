@@ -35,7 +35,8 @@ from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams
 from .attention import BACKENDS
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
-from .model import KV_CACHE_DTYPES, CausalLM, check_kv_cache_dtype  # noqa: F401
+from .kv_spec import KV_CACHE_DTYPES, check_kv_cache_dtype  # noqa: F401
+from .model import CausalLM
 from .model_runner import CPU_DEFAULT_KV_TOKENS, ModelRunner, kv_bytes_per_token, kv_pool_blocks  # noqa: F401
 from .sampler import request_seed
 from .scheduler import Scheduler
@@ -102,7 +103,7 @@ class LLM:
                                                     min(max_num_batched_tokens, self.max_model_len),
                                                     gpu_memory_utilization)
         num_blocks = self.memory["num_blocks"]
-        kv = self.memory["kv_dtype"] + (" + an fp32 scale per token and KV head" if kv_cache_dtype == "int8" else "")
+        kv = self.memory["kv_spec"].describe()  # its dtype and scales
         self.backend = (f"plain PyTorch, {self.model.config.model_type} (fused qkv / gate-up), continuous batching + "
                         f"chunked prefill + preemption, paged KV ({num_blocks} blocks of {block_size}, KV dtype {kv}, "
                         f"sized by {self.memory['sized_by']}), "

@@ -24,7 +24,8 @@ from shared.models import RANDOM_SHAPES
 from shared.prompts import QUESTIONS
 
 from .engine import LLM, kv_bytes_per_token, kv_pool_blocks
-from .model import KV_CACHE_DTYPES, dequantize_kv, quantize_kv
+from .kv_spec import KV_CACHE_DTYPES
+from .model import dequantize_kv, quantize_kv
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def show_lesson(llm, args) -> None:
 
 def print_attention_backend(llm) -> None:
     """Which attention path the engine runs, and where an int8 cache is dequantised on it."""
-    int8 = llm.kv_cache_dtype == "int8"
+    int8 = llm.memory["kv_spec"].scale_bytes > 0  # a scale per row
     if llm.model.attention_backend.name == "triton":
         path = ("every row of a step in one launch per layer (kernels/attention.py's mixed_attention); a step of "
                 "decodes only that splits: flash decoding (kernels/decode.py)"
@@ -161,7 +162,7 @@ def divergence(a, b) -> int | None:
 def show_drift(llm, args):
     """Greedy answers to the standard questions with an int8 cache against auto, on this run's model. -> the engine
     with kv_cache_dtype="auto" (the demo's own, or the second one built here)."""
-    other = "auto" if llm.kv_cache_dtype == "int8" else "int8"
+    other = {"auto": "int8", "int8": "auto"}[llm.kv_cache_dtype]
     # A pool of a fixed size (the CPU default; on CUDA it leaves the device's memory to the engines compared later)
     second = load_llm("step20", args, kv_cache_dtype=other, attention_backend=llm.model.attention_backend.name,
                       max_kv_tokens=32768)

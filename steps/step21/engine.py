@@ -41,7 +41,8 @@ from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams
 from .attention import BACKENDS
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
-from .model import KV_CACHE_DTYPES, CausalLM, check_kv_cache_dtype  # noqa: F401
+from .kv_spec import KV_CACHE_DTYPES, check_kv_cache_dtype  # noqa: F401
+from .model import CausalLM
 from .model_runner import (CPU_DEFAULT_KV_TOKENS, ModelRunner, kv_bytes_per_token, kv_pool_blocks,  # noqa: F401
                            to_device)
 from .sampler import request_seed
@@ -134,7 +135,7 @@ class LLM:
                       f"{' .. ' + str(sizes[-1]) if len(sizes) > 5 else ''}), replayed for steps of decodes")
         else:
             graphs = f"CUDA graphs: off, eager ({off})"
-        kv = self.memory["kv_dtype"] + (" + an fp32 scale per token and KV head" if kv_cache_dtype == "int8" else "")
+        kv = self.memory["kv_spec"].describe()  # its dtype and scales
         self.backend = (f"plain PyTorch, {self.model.config.model_type} (fused qkv / gate-up), continuous batching + "
                         f"chunked prefill + preemption, paged KV ({num_blocks} blocks of {block_size}, KV dtype {kv}, "
                         f"sized by {self.memory['sized_by']}), "

@@ -59,7 +59,8 @@ from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
-from .model import KV_CACHE_DTYPES, ModelConfig, check_kv_cache_dtype  # noqa: F401
+from .kv_spec import KV_CACHE_DTYPES, check_kv_cache_dtype  # noqa: F401
+from .model import ModelConfig  # noqa: F401
 from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks, to_device  # noqa: F401
 from .parallel import TensorParallel, WorkerError, check_tensor_parallel_size, rank_device
 from .sampler import request_seed
@@ -156,7 +157,7 @@ class LLM:
         split = (f"tensor parallel: {self.tp.size} ranks ({self.tp.backend}), each {c.num_heads} heads / "
                  f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
                  if self.tp.size > 1 else "tensor parallel: off (1 rank)")
-        kv = self.memory["kv_dtype"] + (" + an fp32 scale per token and KV head" if kv_cache_dtype == "int8" else "")
+        kv = self.memory["kv_spec"].describe()  # its dtype and scales
         self.backend = (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), continuous batching + "
                         f"chunked prefill + preemption, paged KV ({num_blocks} blocks of {block_size}, KV dtype {kv}, "
                         f"sized by {self.memory['sized_by']}), "

@@ -60,7 +60,8 @@ from shared import (DEFAULT_MODEL, RequestMetrics, RequestOutput, SamplingParams
 from .block_manager import BlockManager
 from .config import EngineConfig, check_enforce_eager, choose_async_scheduling, choose_attention_backend  # noqa: F401
 from .detokenizer import IncrementalDetokenizer
-from .model import KV_CACHE_DTYPES, ModelConfig, check_kv_cache_dtype  # noqa: F401
+from .kv_spec import KV_CACHE_DTYPES, check_kv_cache_dtype  # noqa: F401
+from .model import ModelConfig  # noqa: F401
 from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks, to_device  # noqa: F401
 from .parallel import TensorParallel, WorkerError, rank_device
 from .sampler import request_seed
@@ -82,7 +83,7 @@ def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict
     split = (f"tensor parallel: {tp.size} ranks ({tp.backend}), each {c.num_heads} heads / "
              f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
              if tp.size > 1 else "tensor parallel: off (1 rank)")
-    kv = memory["kv_dtype"] + (" + an fp32 scale per token and KV head" if config.kv_cache_dtype == "int8" else "")
+    kv = memory["kv_spec"].describe()  # its dtype and scales
     scheduling = ("scheduling: async (step N + 1 launched before step N's tokens are read"
                   f"{'; one stream on the CPU: the order, no overlap' if config.device.type != 'cuda' else ''})"
                   if config.async_scheduling else

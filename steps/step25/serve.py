@@ -64,7 +64,7 @@ from starlette.exceptions import HTTPException
 from shared import ContextLengthExceededError, SamplingParams, check_messages
 
 from .async_llm import AsyncLLM, EngineDeadError, EngineShutDown, EngineStepError
-from .model import KV_CACHE_DTYPES
+from .kv_spec import KV_CACHE_DTYPES
 
 # OpenAI fields this server reads (each checked) or knows to be harmless (user: an end-user id, for their logs).
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",

@@ -1,7 +1,7 @@
 """The messages between the front end (async_llm.py's AsyncLLM, and serve.py around it) and the engine core
 (engine_core.py), and nothing else: msgspec Structs, tagged, encoded as msgpack. Nothing is pickled: a frame either
-decodes into one of these types or is an error. This module imports msgspec, the standard library and `shared`
-only, never torch nor the engine, so that the front end, which imports it, runs without either.
+decodes into one of these types or is an error. This module imports msgspec, the standard library, `shared` and
+kv_spec.py only, never torch nor the engine, so that the front end, which imports it, runs without either.
 
     front end -> core   Add (a checked request: prompt ids and sampling parameters), Abort, GetStats
     core -> front end   Ready (the protocol version and the core's limits, once it is built), Outputs (a step's
@@ -27,11 +27,11 @@ import msgspec
 
 from shared import SamplingParams
 
-PROTOCOL_VERSION = 1
+# The values the core's engine takes for kv_cache_dtype (kv_spec.py's, which imports no torch): a front end's
+# command line offers these without importing the model.
+from .kv_spec import KV_CACHE_DTYPES  # noqa: F401
 
-# The values the core's engine takes for kv_cache_dtype (model.py's KV_CACHE_DTYPES, which checks them): a front
-# end's command line offers these without importing the model.
-KV_CACHE_DTYPES = ("auto", "int8")
+PROTOCOL_VERSION = 1
 
 
 # ---- front end -> core ----------------------------------------------------------------------------------------

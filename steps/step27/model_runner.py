@@ -10,7 +10,8 @@ as the widest table can be: max_table_blocks). A step writes into the rows only 
 sequence's last step, and reads the step's block tables and slot mapping from the rows; the block manager tells
 the rows when a sequence's blocks are released (its row is then free).
 
-The cache may be int8 (kv_cache_dtype="int8"), and its size counts the scales: kv_bytes_per_token.
+The cache may be int8 (kv_cache_dtype="int8"), and its size counts the scales: kv_bytes_per_token, from the
+cache's KVSpec (kv_spec.py: what one token's cache holds).
 
 CUDA graphs (cuda_graphs.py). After the cache is allocated the runner captures the decode forward once per
 batch-size bucket (capture_graphs); a step of decodes only is then filled into static buffers and replayed, every
@@ -45,6 +46,7 @@ import torch
 
 from .cuda_graphs import DecodeGraphs, VerifyGraphs
 from .kernels.sampling import draw_params, fused_draw, triton
+from .kv_spec import KVSpec, kv_spec
 from .model import CausalLM, KVCache, to_device  # noqa: F401  (to_device: imported from here too)
 from .parallel import WorkerError
 from .sampler import sample_batch, wants_filters
@@ -53,13 +55,15 @@ from .sequence import Sequence
 CPU_DEFAULT_KV_TOKENS = 32768  # on the CPU, max_kv_tokens sizes the cache (default 32768 tokens)
 
 
+def kv_spec_of(config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVSpec:
+    """What one token's cache holds for a model in `dtype` (kv_spec.py, which takes the dtype's name and size)."""
+    return kv_spec(kv_cache_dtype, config, str(dtype).replace("torch.", ""), dtype.itemsize)
+
+
 def kv_bytes_per_token(config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """K and V of one token in every layer: 2 x layers x kv_heads x head_dim x bytes per element. int8: one byte
     per element, plus the fp32 scale of each (token, KV head) row: 2 x layers x kv_heads x (head_dim + 4)."""
-    if kv_cache_dtype == "int8":
-        return 2 * config.num_layers * config.num_kv_heads * (config.head_dim * 1 + 4)
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+    return kv_spec_of(config, dtype, kv_cache_dtype).bytes_per_token
 
 
 def kv_pool_blocks(total_bytes: int, gpu_memory_utilization: float, used_bytes: int, bytes_per_block: int) -> int:
@@ -172,6 +176,7 @@ class ModelRunner:
                  verify: tuple[int, int] | None = None):
         self.model, self.device, self.dtype = model, device, dtype
         self.kv_cache_dtype = kv_cache_dtype  # "auto" (the model's dtype) or "int8" (model.py's KVCache)
+        self.kv_spec: KVSpec | None = None  # what one token's cache holds (kv_spec.py): set with the cache
         self.timers = timers  # the engine's phase timers: "prepare inputs", "forward" and "sample" are ours
         self.stats = stats  # the engine's counters: we count model forwards
         stats.setdefault("overlapped_launches", 0)  # launches made before the newest results were reached
@@ -203,10 +208,10 @@ class ModelRunner:
         choice): that many tokens. Else (CUDA): profile one forward of the largest step (warmup_tokens prompt
         tokens), then give the cache what is left of gpu_memory_utilization x the device's memory after the
         weights and that forward's peak. -> what was decided (blocks, bytes per token, why)."""
-        per_token = kv_bytes_per_token(self.model.config, self.dtype, self.kv_cache_dtype)
-        kv_dtype = "int8" if self.kv_cache_dtype == "int8" else str(self.dtype).replace("torch.", "")
+        self.kv_spec = kv_spec_of(self.model.config, self.dtype, self.kv_cache_dtype)
+        per_token = self.kv_spec.bytes_per_token
         memory = {"bytes_per_token": per_token, "block_size": block_size, "kv_cache_dtype": self.kv_cache_dtype,
-                  "kv_dtype": kv_dtype}
+                  "kv_dtype": self.kv_spec.dtype, "kv_spec": self.kv_spec}
         if max_kv_tokens is not None:
             memory.update(num_blocks=max_kv_tokens // block_size, sized_by="max_kv_tokens")
         else:
@@ -231,7 +236,7 @@ class ModelRunner:
         self.scratch_block = memory["num_blocks"]
         memory["scratch_blocks"] = 1
         self.kv_cache = self.model.kv_cache = KVCache(self.model.config, memory["num_blocks"] + 1, block_size,
-                                                      self.device, self.dtype, self.kv_cache_dtype)
+                                                      self.device, self.kv_spec)
         self.block_tables = BlockTables(self.max_num_seqs, self.max_table_blocks(block_size), self.device)
         return memory
 
@@ -274,7 +279,7 @@ class ModelRunner:
     def _graph_pool_bytes(self, block_size: int) -> int:
         """The memory the graphs will hold, measured: the largest bucket's graph captured on a cache of one block
         (its rows all padding), then thrown away. The smaller graphs share its pool."""
-        self.model.kv_cache = KVCache(self.model.config, 1, block_size, self.device, self.dtype, self.kv_cache_dtype)
+        self.model.kv_cache = KVCache(self.model.config, 1, block_size, self.device, self.kv_spec)
         probe = DecodeGraphs(self.model, self.device, self.max_num_seqs, block_size, 0, 1,
                              self.model.config.max_position_embeddings, sizes=[self.max_num_seqs])
         probe.capture()
@@ -298,8 +303,7 @@ class ModelRunner:
         num_blocks = -(-num_tokens // block_size)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.model.kv_cache = KVCache(self.model.config, num_blocks, block_size, self.device, self.dtype,
-                                      self.kv_cache_dtype)
+        self.model.kv_cache = KVCache(self.model.config, num_blocks, block_size, self.device, self.kv_spec)
         # One prompt of num_tokens tokens, as the attention backend reads a sequence: its metadata is built by the
         # backend that will run (the kernels' on the triton path), through the same prepare as every step.
         prompt = SimpleNamespace(request_id="profile", token_ids=[0] * num_tokens, num_computed_tokens=0,
@@ -310,7 +314,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         self.model.kv_cache = self.block_tables = None
         torch.cuda.empty_cache()
-        return peak - num_blocks * block_size * kv_bytes_per_token(self.model.config, self.dtype, self.kv_cache_dtype)
+        return peak - num_blocks * block_size * self.kv_spec.bytes_per_token
 
     # ---- one engine step ----------------------------------------------------------------------------------
     def prepare(self, work: list[tuple[Sequence, int]], block_size: int | None = None, changes=None,

@@ -21,7 +21,8 @@ import torch
 from shared import DEFAULT_MODEL, check_engine_options, check_max_logprobs, resolve_device_dtype, resolve_model
 from shared.models import shipped_gguf
 
-from .model import ModelConfig, check_kv_cache_dtype
+from .kv_spec import check_kv_cache_dtype
+from .model import ModelConfig
 from .model_runner import CPU_DEFAULT_KV_TOKENS
 from .parallel import check_tensor_parallel_size
 from .quant import GROUP

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from .kv_spec import KV_CACHE_DTYPES, KVSpec  # noqa: F401  (KV_CACHE_DTYPES: imported from here too)
 from .parallel import TensorParallel, is_vocab_parallel, shard, vocab_rows
 from .linear import method_of
 from .quant import FP8, quantize_fp8, quantize_fp8_weight, quantize_int4, read_gguf
@@ -486,19 +487,6 @@ def slot_mapping(start_positions: list[int], query_lens: list[int], block_tables
     return blocks * block_size + positions % block_size  # int64 [N], on the CPU
 
 
-# "auto": the model's dtype; "int8": one byte per element + a scale per row; "fp8" / "fp8_e4m3" (vLLM's two
-# names for one format): one byte per element, float8 e4m3, with one scale per layer for K and one for V
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
-
-
-def check_kv_cache_dtype(kv_cache_dtype) -> str:
-    """kv_cache_dtype must be one of KV_CACHE_DTYPES, spelled exactly (vLLM's option name and values)."""
-    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
-                         f"got {kv_cache_dtype!r}")
-    return kv_cache_dtype
-
-
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K (or V) rows [..., head_dim] -> int8 rows [..., head_dim] and one fp32 scale per row [...].
 
@@ -565,21 +553,21 @@ class KVCache:
     data[0] holds K and data[1] holds V, each [layers, num_blocks, block_size, kv_heads, head_dim].
     k[layer] and v[layer] are views of it (no copies).
 
-    kv_cache_dtype "auto": data has the model's dtype, and k_scale / v_scale are None. "int8": data is int8, and
-    scales [2, layers, num_blocks, block_size, kv_heads] fp32 holds one scale per (token, KV head);
+    data has the KVSpec's dtype. kv_cache_dtype "auto": the model's, and k_scale / v_scale are None. "int8":
+    int8, and scales [2, layers, num_blocks, block_size, kv_heads] fp32 holds one scale per (token, KV head);
     k_scale[layer] and v_scale[layer] are its views, [num_blocks, block_size, kv_heads]. "fp8" /
     "fp8_e4m3": data is float8 e4m3, and k_scale[layer] and v_scale[layer] are floats, one per layer (kv_scales,
     or 1.0)."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 kv_cache_dtype: str = "auto", kv_scales: tuple[list[float], list[float]] | None = None):
-        quantized = check_kv_cache_dtype(kv_cache_dtype) == "int8"
-        fp8 = kv_cache_dtype in ("fp8", "fp8_e4m3")
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, spec: KVSpec,
+                 kv_scales: tuple[list[float], list[float]] | None = None):
+        quantized = spec.scale_bytes > 0  # int8: a scale per row
+        fp8 = spec.layer_scales  # fp8: a scale per layer for K and one for V
         # zeros, not empty. A verify graph's padding tokens attend past their request's tokens (cuda_graphs.py's
         # StaticVerifyInputs), and the kernel loads those keys and values for the real tokens of the same tile too,
         # weighted 0: a NaN in memory never written would make 0 x NaN = NaN there. Written memory is finite.
         self.data = torch.zeros((2, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim),
-                                device=device, dtype=torch.int8 if quantized else FP8 if fp8 else dtype)
+                                device=device, dtype=getattr(torch, spec.dtype))
         self.k = list(self.data[0])  # per layer: [num_blocks, block_size, kv_heads, head_dim]
         self.v = list(self.data[1])
         self.scales = None

@@ -26,12 +26,13 @@ from shared.anatomy import anatomy_arg_parser, before_after, compared_options, d
 from shared.cli import answer_question, format_table, print_header, user_errors
 
 from .engine import LLM
+from .kv_spec import KV_CACHE_DTYPES
 
 
 def main() -> None:
     parser = anatomy_arg_parser(__doc__)
     parser.set_defaults(requests=1, lesson_tokens=32)
-    parser.add_argument("--kv-cache-dtype", choices=["fp8", "fp8_e4m3", "int8", "auto"], default="fp8",
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="fp8",
                         help="the cache of the step's own engine (default fp8); the lesson compares it with auto")
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2

@@ -28,7 +28,8 @@ from .config import VERIFY_GRAPH_MAX_SEQS  # noqa: F401  (the verify graphs' lar
 from .core import EngineCore
 from .detokenizer import IncrementalDetokenizer
 from .linear import method_of
-from .model import weight_bytes, KV_CACHE_DTYPES, ModelConfig, check_kv_cache_dtype  # noqa: F401
+from .kv_spec import KV_CACHE_DTYPES, check_kv_cache_dtype  # noqa: F401
+from .model import weight_bytes, ModelConfig  # noqa: F401
 from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks  # noqa: F401
 from .parallel import TensorParallel
 from .sequence import Sequence
@@ -65,8 +66,7 @@ def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict
     split = (f"tensor parallel: {tp.size} ranks ({tp.backend}), each {c.num_heads} heads / "
              f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
              if tp.size > 1 else "tensor parallel: off (1 rank)")
-    kv = memory["kv_dtype"] + (" + an fp32 scale per token and KV head" if config.kv_cache_dtype == "int8" else
-                               " + a scale per layer for K and for V" if memory["kv_dtype"] == "float8_e4m3fn" else "")
+    kv = memory["kv_spec"].describe()  # its dtype and scales
     scheduling = describe_scheduling(config)
     spec = config.speculative_config
     verify_sizes = cuda_graphs.get("verify_sizes")
