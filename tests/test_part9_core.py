@@ -524,10 +524,17 @@ assert "torch" not in sys.modules, "serving a request imported torch in the fron
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("step", copies_params(STEPS, "wire", "model"))
-def test_the_wires_kv_cache_dtypes_are_the_models(step):
-    """serve.py offers wire.KV_CACHE_DTYPES (it imports no model): the values the core's model takes."""
-    assert step_module(step, "wire").KV_CACHE_DTYPES == step_module(step, "model").KV_CACHE_DTYPES
+@pytest.mark.parametrize("step", copies_params(STEPS, "wire", "kv_spec"))
+def test_the_wires_kv_cache_dtypes_are_the_engines_one_table(step):
+    """serve.py offers wire.KV_CACHE_DTYPES (it imports no torch): the names of kv_spec.py's one table of formats
+    (torch-free), not a copy of it; the engine's check takes each of them and refuses any other."""
+    wire, kv = step_module(step, "wire"), step_module(step, "kv_spec")
+    assert wire.KV_CACHE_DTYPES is kv.KV_CACHE_DTYPES and list(kv.KV_CACHE_DTYPES) == list(kv.FORMATS)
+    assert step_module(step, "model").KV_CACHE_DTYPES is kv.KV_CACHE_DTYPES
+    for name in wire.KV_CACHE_DTYPES:
+        assert kv.check_kv_cache_dtype(name) == name
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        kv.check_kv_cache_dtype("fp4")
 
 
 def test_a_core_that_speaks_another_protocol_is_refused():

@@ -33,6 +33,22 @@ import torch  # noqa: E402
 from shared import SamplingParams  # noqa: E402
 
 
+def count_computed_prompt_tokens(llm) -> list[int]:
+    """Wrap llm's scheduler so that every token a step computes that is not a decode's is summed into the returned
+    list's one item: prompt chunks, and the history of a preempted request computed again when it resumes. (The
+    prefix cache's tokens_saved cannot give this: a request admitted again after preemption counts its cached blocks
+    again, and its recomputed tokens were never in its prompt's length.)"""
+    counter, schedule = [0], llm.scheduler.schedule
+
+    def counting():
+        work = schedule()
+        counter[0] += sum(n for seq, n in work if not (n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens))
+        return work
+
+    llm.scheduler.schedule = counting
+    return counter
+
+
 def run_workload(llm, args) -> dict:
     """The chat workload through llm -> tokens/s, TTFT p50/p99 (ms), prompt tokens computed, the tier's counters."""
     g = torch.Generator().manual_seed(0)
@@ -41,7 +57,7 @@ def run_workload(llm, args) -> dict:
     system = words(args.system)
     history = [system + words(args.user) for _ in range(args.conversations)]
     counters = {k: v for k, v in llm.stats.items() if k.startswith("host_")}  # this run's: the change from here
-    saved_before = llm.block_manager.stats["tokens_saved"]
+    computed = count_computed_prompt_tokens(llm)
     ttfts, generated, prompt_tokens, answers = [], 0, 0, []
     start = time.perf_counter()
     for turn in range(args.turns):
@@ -54,11 +70,11 @@ def run_workload(llm, args) -> dict:
         prompt_tokens += sum(map(len, history))
         history = [h + list(o.outputs[0].token_ids) + words(args.user) for h, o in zip(history, outs)]
     wall = time.perf_counter() - start
-    saved = llm.block_manager.stats["tokens_saved"] - saved_before
+    llm.scheduler.schedule = type(llm.scheduler).schedule.__get__(llm.scheduler)  # unwrapped again
     ttfts.sort()
     row = dict(tokens_per_s=generated / wall, wall_s=wall, ttft_p50_ms=1e3 * ttfts[len(ttfts) // 2],
                ttft_p99_ms=1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-               prompt_tokens=prompt_tokens, prompt_tokens_computed=prompt_tokens - saved,
+               prompt_tokens=prompt_tokens, prompt_tokens_computed=computed[0],
                working_set_tokens=sum(map(len, history)) - len(history) * args.user, answers=answers)
     row.update({k: v if k == "host_blocks" else v - counters[k] for k, v in llm.stats.items() if k.startswith("host_")})
     return row
