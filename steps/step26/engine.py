@@ -51,20 +51,19 @@ def describe_scheduling(config: EngineConfig) -> str:
 def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict, tp: TensorParallel) -> str:
     """The engine in one line (llm.backend, which run.py prints): what the config asked for and what the build found
     (the KV pool's blocks and dtype and what sized it, the CUDA graphs captured or why none, the tensor split)."""
-    graphs = describe_graphs(cuda_graphs)
     c = model.config
     split = (f"tensor parallel: {tp.size} ranks ({tp.backend}), each {c.num_heads} heads / "
              f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
              if tp.size > 1 else "tensor parallel: off (1 rank)")
-    kv = memory["kv_spec"].describe()  # its dtype and scales
-    scheduling = describe_scheduling(config)
-    return (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), continuous batching + "
-            f"chunked prefill + preemption, paged KV ({memory['num_blocks']} blocks of {config.block_size}, KV dtype "
-            f"{kv}, sized by {memory['sized_by']}), "
-            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}, "
-            f"attention: {model.attention_backend.name}, elementwise: "
-            f"{'fused kernels' if model.ops.name == 'triton' else 'torch operators'}, {graphs}, "
-            f"{split}, {scheduling}")
+    pool = (f"paged KV ({memory['num_blocks']} blocks of {config.block_size}, KV dtype "
+            f"{memory['kv_spec'].describe()}, sized by {memory['sized_by']})")
+    parts = [f"plain PyTorch, {c.model_type} (fused qkv / gate-up)",
+             "continuous batching + chunked prefill + preemption", pool,
+             f"prefix caching {'on' if config.enable_prefix_caching else 'off'}",
+             f"attention: {model.attention_backend.name}",
+             f"elementwise: {'fused kernels' if model.ops.name == 'triton' else 'torch operators'}",
+             describe_graphs(cuda_graphs), split, describe_scheduling(config)]
+    return ", ".join(part for part in parts if part)  # each component describes itself
 
 
 class LLM:

@@ -30,6 +30,7 @@ from .model import ModelConfig  # noqa: F401
 from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks  # noqa: F401
 from .parallel import TensorParallel
 from .sequence import Sequence
+from .speculative import describe_speculation
 
 
 def describe_graphs(cuda_graphs: dict) -> str:
@@ -53,29 +54,20 @@ def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict
     """The engine in one line (llm.backend, which run.py prints): what the config asked for and what the build found
     (the KV pool's blocks and dtype and what sized it, the CUDA graphs captured or why none, the tensor split;
     the drafts, and the verify steps' graphs)."""
-    graphs = describe_graphs(cuda_graphs)
     c = model.config
     split = (f"tensor parallel: {tp.size} ranks ({tp.backend}), each {c.num_heads} heads / "
              f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
              if tp.size > 1 else "tensor parallel: off (1 rank)")
-    kv = memory["kv_spec"].describe()  # its dtype and scales
-    scheduling = describe_scheduling(config)
-    spec = config.speculative_config
-    verify_sizes = cuda_graphs.get("verify_sizes")
-    verify_graphs = (f"verify steps of up to {verify_sizes[-1]} requests replayed from {len(verify_sizes)} graphs "
-                     f"of {cuda_graphs['verify_query_len']} tokens per row, larger ones eager"
-                     if verify_sizes else "verify steps eager")
-    speculation = (f"speculative decoding: ngram, up to {spec.num_speculative_tokens} drafts "
-                   f"(lookup {spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens"
-                   f"{f', off from {spec.disable_by_batch_size} running requests' if spec.disable_by_batch_size else ''}"
-                   f"), {verify_graphs}" if spec is not None else "speculative decoding: off")
-    return (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), continuous batching + "
-            f"chunked prefill + preemption, paged KV ({memory['num_blocks']} blocks of {config.block_size}, KV dtype "
-            f"{kv}, sized by {memory['sized_by']}), "
-            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}, "
-            f"attention: {model.attention_backend.name}, elementwise: "
-            f"{'fused kernels' if model.ops.name == 'triton' else 'torch operators'}, {graphs}, "
-            f"{split}, {scheduling}, {speculation}")
+    pool = (f"paged KV ({memory['num_blocks']} blocks of {config.block_size}, KV dtype "
+            f"{memory['kv_spec'].describe()}, sized by {memory['sized_by']})")
+    parts = [f"plain PyTorch, {c.model_type} (fused qkv / gate-up)",
+             "continuous batching + chunked prefill + preemption", pool,
+             f"prefix caching {'on' if config.enable_prefix_caching else 'off'}",
+             f"attention: {model.attention_backend.name}",
+             f"elementwise: {'fused kernels' if model.ops.name == 'triton' else 'torch operators'}",
+             describe_graphs(cuda_graphs), split, describe_scheduling(config),
+             describe_speculation(config.speculative_config, cuda_graphs)]
+    return ", ".join(part for part in parts if part)  # each component describes itself
 
 
 class LLM:

@@ -499,3 +499,15 @@ class KVCache:
                                       device=device, dtype=torch.float32)
             self.k_scale = list(self.scales[0])  # per layer: [num_blocks, block_size, kv_heads]
             self.v_scale = list(self.scales[1])
+
+
+def describe_projections(model, device) -> str:
+    """The engine line's part for the projections: the fused path's GEMV up to its rows and cuBLAS above, or torch's
+    matmuls."""
+    gemv_devices = getattr(model.ops, "gemv_devices", ())  # where few rows run the GEMV kernel
+    if device.type not in gemv_devices:
+        return "torch matmuls (norm, SiLU * up and residual beside them)"
+    rows = model.ops.gemv_max_rows
+    pdl = ", launched as programmatic dependents (PDL)" if model.ops.uses_pdl(device) else ""
+    return (f"Triton GEMV at {rows} row{'s' if rows > 1 else ''} (norm, SiLU * up and residual fused){pdl}, cuBLAS "
+            f"above")

@@ -711,3 +711,46 @@ class KVCache:
                                       device=device, dtype=torch.float32)
             self.k_scale = list(self.scales[0])  # per layer: [num_blocks, block_size, kv_heads]
             self.v_scale = list(self.scales[1])
+
+
+def describe_projections(model, device) -> str:
+    """The engine line's part for the projections: the fused path's GEMV up to its rows and cuBLAS above, or torch's
+    matmuls."""
+    gemv_devices = getattr(model.ops, "gemv_devices", ())  # where few rows run the GEMV kernel
+    if device.type not in gemv_devices:
+        return "torch matmuls (norm, SiLU * up and residual beside them)"
+    rows = model.ops.gemv_max_rows
+    pdl = ", launched as programmatic dependents (PDL)" if model.ops.uses_pdl(device) else ""
+    return (f"Triton GEMV at {rows} row{'s' if rows > 1 else ''} (norm, SiLU * up and residual fused){pdl}, cuBLAS "
+            f"above{projection_method(model).describe_fused(model.ops)}")
+
+
+def mib(nbytes: int) -> str:
+    """A size on the engine's line: whole MiB, or two decimals under 10 MiB (a tiny model's weights)."""
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes >= 10 * 2**20 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def projection_method(model):
+    """The projections' linear method (linear.py): every projection has one format."""
+    return method_of(model.w["model.layers.0.self_attn.qkv_proj.weight"])
+
+
+def describe_weights(model, config) -> str:
+    """The engine line's part for the weights: what they take as loaded (this rank's share), and the projections'
+    format."""
+    linear, total = weight_bytes(model.w)
+    return f"weights: {mib(total)}, the projections' {mib(linear)} as {projection_method(model).describe(config)}"
+
+
+def describe_experts(model) -> str:
+    """The engine line's part for a mixture of experts: how many, how this rank runs them and which it holds; "" for
+    a dense model."""
+    c, held = model.config, model.experts
+    if not c.num_experts:
+        return ""
+    run = "as two grouped GEMMs a layer (kernels/moe.py)" if model.ops.name == "triton" else \
+        "as a loop over the experts hit (torch)"
+    whole = (f", this rank holding experts {held.start}..{held.stop - 1} whole (expert parallel)"
+             if len(held) < c.num_experts else "")
+    return (f"{c.num_experts} experts of width {c.moe_intermediate_size}, {c.num_experts_per_tok} a token, "
+            f"run {run}{whole}")

@@ -28,17 +28,13 @@ from .config import EngineConfig, check_enforce_eager, choose_async_scheduling, 
 from .config import VERIFY_GRAPH_MAX_SEQS  # noqa: F401  (the verify graphs' largest batch)
 from .core import EngineCore
 from .detokenizer import IncrementalDetokenizer
-from .linear import method_of
 from .kv_spec import KV_CACHE_DTYPES, check_kv_cache_dtype  # noqa: F401
-from .model import weight_bytes, ModelConfig  # noqa: F401
+from .model import weight_bytes, ModelConfig, describe_projections, describe_weights, describe_experts  # noqa: F401
 from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks  # noqa: F401
+from .offload import describe_host_tier
 from .parallel import TensorParallel
 from .sequence import Sequence
-
-
-def mib(nbytes: int) -> str:
-    """A size on the engine's line: whole MiB, or two decimals under 10 MiB (a tiny model's weights)."""
-    return f"{nbytes / 2**20:.0f} MiB" if nbytes >= 10 * 2**20 else f"{nbytes / 2**20:.2f} MiB"
+from .speculative import describe_speculation
 
 
 def describe_graphs(cuda_graphs: dict) -> str:
@@ -62,51 +58,24 @@ def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict
     """The engine in one line (llm.backend, which run.py prints): what the config asked for and what the build found
     (the KV pool's blocks and dtype and what sized it, the CUDA graphs captured or why none, the tensor split;
     the drafts, and the verify steps' graphs; a mixture of experts' experts and how they run)."""
-    graphs = describe_graphs(cuda_graphs)
     c = model.config
     split = (f"tensor parallel: {tp.size} ranks ({tp.backend}), each {c.num_heads} heads / "
              f"{c.num_kv_heads} KV heads / {c.intermediate_size} MLP columns"
              if tp.size > 1 else "tensor parallel: off (1 rank)")
-    kv = memory["kv_spec"].describe()  # its dtype and scales
-    scheduling = describe_scheduling(config)
-    spec = config.speculative_config
-    verify_sizes = cuda_graphs.get("verify_sizes")
-    verify_graphs = (f"verify steps of up to {verify_sizes[-1]} requests replayed from {len(verify_sizes)} graphs "
-                     f"of {cuda_graphs['verify_query_len']} tokens per row, larger ones eager"
-                     if verify_sizes else "verify steps eager")
-    speculation = (f"speculative decoding: ngram, up to {spec.num_speculative_tokens} drafts "
-                   f"(lookup {spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens"
-                   f"{f', off from {spec.disable_by_batch_size} running requests' if spec.disable_by_batch_size else ''}"
-                   f"), {verify_graphs}" if spec is not None else "speculative decoding: off")
-    gemv_devices = getattr(model.ops, "gemv_devices", ())  # where few rows run the GEMV kernel
-    max_rows = model.ops.gemv_max_rows if gemv_devices else 0
-    pdl = ", launched as programmatic dependents (PDL)" if model.ops.name == "triton" and model.ops.uses_pdl(
-        config.device) else ""
-    linear, total = weight_bytes(model.w)  # what the weights take, as loaded (this rank's share)
-    method = method_of(model.w["model.layers.0.self_attn.qkv_proj.weight"])  # every projection has one format
-    projections = (f"Triton GEMV at {max_rows} row{'s' if max_rows > 1 else ''} (norm, SiLU * up and residual "
-                   f"fused){pdl}, cuBLAS above{method.describe_fused(model.ops)}"
-                   if config.device.type in gemv_devices else "torch matmuls (norm, SiLU * up and residual beside them)")
-    weights = f"weights: {mib(total)}, the projections' {mib(linear)} as {method.describe(config)}"
-    experts = ""
-    if c.num_experts:  # a mixture of experts, and how this rank runs its experts
-        held = model.experts
-        experts = (f"{c.num_experts} experts of width {c.moe_intermediate_size}, {c.num_experts_per_tok} a token, run "
-                   + ("as two grouped GEMMs a layer (kernels/moe.py)" if model.ops.name == "triton" else
-                      "as a loop over the experts hit (torch)")
-                   + (f", this rank holding experts {held.start}..{held.stop - 1} whole (expert parallel)"
-                      if len(held) < c.num_experts else "") + ", ")
-    host = (f"host KV tier: {memory['host_blocks']} blocks ({memory['host_bytes'] / 2**20:.1f} MiB of "
-            f"{'pinned ' if config.device.type == 'cuda' else ''}host memory, LRU), evicted prefix blocks stored there "
-            "and restored on a hit" if memory.get("host_blocks") else "host KV tier: off")
-    return (f"plain PyTorch, {c.model_type} (fused qkv / gate-up), {experts}{weights}, continuous batching + "
-            f"chunked prefill + preemption, paged KV ({memory['num_blocks']} blocks of {config.block_size}, KV dtype "
-            f"{kv}, sized by {memory['sized_by']}), "
-            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}, {host}, "
-            f"attention: {model.attention_backend.name}, elementwise: "
-            f"{'fused kernels' if model.ops.name == 'triton' else 'torch operators'}, projections: {projections}, "
-            f"{graphs}, "
-            f"{split}, {scheduling}, {speculation}")
+    pool = (f"paged KV ({memory['num_blocks']} blocks of {config.block_size}, KV dtype "
+            f"{memory['kv_spec'].describe()}, sized by {memory['sized_by']})")
+    parts = [f"plain PyTorch, {c.model_type} (fused qkv / gate-up)",
+             describe_experts(model),
+             describe_weights(model, config),
+             "continuous batching + chunked prefill + preemption", pool,
+             f"prefix caching {'on' if config.enable_prefix_caching else 'off'}",
+             describe_host_tier(memory, config.device),
+             f"attention: {model.attention_backend.name}",
+             f"elementwise: {'fused kernels' if model.ops.name == 'triton' else 'torch operators'}",
+             f"projections: {describe_projections(model, config.device)}",
+             describe_graphs(cuda_graphs), split, describe_scheduling(config),
+             describe_speculation(config.speculative_config, cuda_graphs)]
+    return ", ".join(part for part in parts if part)  # each component describes itself
 
 
 class LLM:

@@ -227,3 +227,12 @@ class HostKVStore:
         if self.stream is not None:
             self.stream.synchronize()
         self.kv_cache, self.data, self.scales = None, None, None
+
+
+def describe_host_tier(memory: dict, device) -> str:
+    """The engine line's part for the host tier: its blocks and bytes over all ranks, or off."""
+    if not memory.get("host_blocks"):
+        return "host KV tier: off"
+    return (f"host KV tier: {memory['host_blocks']} blocks ({memory['host_bytes'] / 2**20:.1f} MiB of "
+            f"{'pinned ' if device.type == 'cuda' else ''}host memory, LRU), evicted prefix blocks stored there and "
+            "restored on a hit")

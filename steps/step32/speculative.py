@@ -217,3 +217,16 @@ class Drafter:
         self.stats["spec_emitted"] += sum(recorded)  # the tokens returned: none past a stop
         with self.timers.phase("schedule"):
             scheduler.postprocess_verified([(seq, len(v.tokens)) for seq, v in zip(seqs, verdicts)])
+
+
+def describe_speculation(spec: SpeculativeConfig | None, cuda_graphs: dict) -> str:
+    """The engine line's part for speculative decoding: the drafts, and how their verify steps run; or off."""
+    if spec is None:
+        return "speculative decoding: off"
+    verify_sizes = cuda_graphs.get("verify_sizes")
+    verify_graphs = (f"verify steps of up to {verify_sizes[-1]} requests replayed from {len(verify_sizes)} graphs "
+                     f"of {cuda_graphs['verify_query_len']} tokens per row, larger ones eager"
+                     if verify_sizes else "verify steps eager")
+    off = f", off from {spec.disable_by_batch_size} running requests" if spec.disable_by_batch_size else ""
+    return (f"speculative decoding: ngram, up to {spec.num_speculative_tokens} drafts "
+            f"(lookup {spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens{off}), {verify_graphs}")
