@@ -39,15 +39,17 @@ def device_error() -> RuntimeError:
 
 def inject_step_faults(engine) -> None:
     """STEP_FAILURE_SEED and DEVICE_ERROR_SEED: the model runner's execute raises for a step that serves such a
-    request after its first token."""
+    request after its first token. execute takes the step's plan (a SchedulerOutput, its rows [(sequence, n)]) from
+    step26 on, the rows themselves before."""
     execute = engine.runner.execute
 
-    def failing_execute(work, *args, **kwargs):
+    def failing_execute(plan, *args, **kwargs):
+        work = getattr(plan, "rows", plan)
         if any(seq.params.seed == STEP_FAILURE_SEED and seq.output_ids for seq, _ in work):
             raise RuntimeError("injected failure")
         if any(seq.params.seed == DEVICE_ERROR_SEED and seq.output_ids for seq, _ in work):
             raise device_error()
-        return execute(work, *args, **kwargs)
+        return execute(plan, *args, **kwargs)
 
     engine.runner.execute = failing_execute
 
