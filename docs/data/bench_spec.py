@@ -149,13 +149,14 @@ def verify_cost(args, new) -> dict:
         seq = llm.scheduler.requests.get("cost")
     llm.scheduler._make_room(seq)
     runner, verify_graphs = llm.runner, llm.runner.verify_graphs
+    from steps.step27.scheduler import SchedulerOutput
 
-    def timed(work, rows=None) -> float:
+    def timed(plan, rows=None) -> float:
         samples = []
         for i in range(25):
             sync(llm.device)
             start = time.perf_counter()
-            runner.execute(work, logits_rows=rows)
+            runner.execute(plan, logits_rows=rows)
             sync(llm.device)
             if i >= 5:
                 samples.append(time.perf_counter() - start)
@@ -166,15 +167,15 @@ def verify_cost(args, new) -> dict:
         drafts = list(range(2000, 2000 + k))
         bm.allocate(seq, seq.num_tokens + k)
         seq.token_ids.extend(drafts)
-        work, rows = [(seq, k + 1)], list(range(k + 1))
+        plan, rows = SchedulerOutput.build([(seq, 1)], drafts={0: drafts}), list(range(k + 1))  # k + 1 tokens
         runner.verify_graphs = None  # eager
-        times[k] = timed(work, rows)
+        times[k] = timed(plan, rows)
         runner.verify_graphs = verify_graphs
-        if verify_graphs is not None and verify_graphs.can_run(work):
-            graphed[k] = timed(work, rows)
+        if verify_graphs is not None and verify_graphs.can_run(plan):
+            graphed[k] = timed(plan, rows)
         del seq.token_ids[len(seq.token_ids) - k:]
         bm.trim(seq, seq.num_tokens)
-    graph = timed([(seq, 1)]) if runner.graphs is not None else None
+    graph = timed(SchedulerOutput.build([(seq, 1)])) if runner.graphs is not None else None
     llm.abort_request("cost")
     rows = [[k, f"{times[k]:.3f}", f"{times[k] / times[0]:.2f}", f"{graphed[k]:.3f}" if k in graphed else "-",
              f"{graphed[k] / graph:.2f}" if k in graphed else "-"] for k in times]

@@ -322,10 +322,10 @@ class ModelRunner:
         """Run the step's plan in one forward: every (sequence, new tokens) side by side in one flat batch.
         A step of decodes replays its bucket's graph; any other step runs eagerly.
         -> the logits of each sequence's last new token, in the order of the rows: [S, vocab].
-        Tensor parallel: rank 0 first sends the rows to the workers, with their block-table changes (each sequence's
-        row and the blocks it got since its last step), and the workers run this same method on them.
         The plan's placeholders: the rows whose last new token is a placeholder (sampled by the step before, not
-        read by the host): its input id is its row's last_token, on the device."""
+        read by the host): its input id is its row's last_token, on the device.
+        Tensor parallel: rank 0 first sends the rows to the workers, with their block-table changes (each sequence's
+        row and the blocks it got since its last step), and the workers run this same method on them."""
         if self.results_event is not None and not self.results_event.query():  # the device still runs a step
             self.stats["overlapped_launches"] += 1  # whose results the host has not read: this one overlaps
         if changes is None:  # rank 0 (or alone) decides the rows; a worker is given them
@@ -367,19 +367,20 @@ class ModelRunner:
             self.stats["eager_forwards"] += 1
             return self.model.forward(input_ids, positions, attn)
 
-    def execute_model(self, plan: SchedulerOutput, keep_on_device: bool = False) -> SimpleNamespace | None:
+    def execute_model(self, plan: SchedulerOutput, keep_on_device: bool = False):
         """One step on the device: the forward of every row of the plan (execute), then one sampler call for the
         rows that sample (the plan's sample_rows: a decode, or a chunk that reaches its prompt's end), queued
         (launch_sample). -> the draw on its way to the host, which read_sampled reads (None: no row samples). The
         logits stay in the runner."""
+        work, sample_rows = plan.rows, plan.sample_rows
         logits = self.execute(plan)  # one row per scheduled sequence, in order
-        launched, sample_rows = None, plan.sample_rows
+        launched = None
         if sample_rows:
             with self.timers.phase("sample"):
                 plain = logits
                 if len(sample_rows) < len(logits):  # the index goes to the device without a wait (pinned)
                     plain = logits[to_device(torch.tensor(sample_rows), logits.device)]
-            launched = self.launch_sample([plan.rows[i][0] for i in sample_rows], plain, keep_on_device=keep_on_device)
+            launched = self.launch_sample([work[i][0] for i in sample_rows], plain, keep_on_device=keep_on_device)
         return launched
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float], list]:

@@ -32,7 +32,7 @@ from .sequence import SequenceStatus
 class SchedulerOutput:
     """One step's plan, built once from the scheduler's work (build), then only read: by the core (its counters, the
     requests that get a token), the model runner (the inputs), the attention backend (its metadata) and the CUDA
-    graphs (whether the step replays one). Every list of rows holds indices into rows.
+    graphs (whether the step replays one).
 
         rows          [(request, new tokens)], in the scheduler's order: decodes first, then prompt chunks
         query_lens    each row's new tokens [S]
@@ -41,7 +41,9 @@ class SchedulerOutput:
         sample_rows   the rows that get a token: a decode, or a chunk that reaches its prompt's last token (its
                       logits are the next token's); a chunk before the end gets none, its row is dropped
         placeholders  the rows whose last new token is a placeholder (sampled by the step in flight, not read by the
-                      host): its input id is taken on the device (model_runner.py's fill_placeholders)"""
+                      host): its input id is taken on the device (model_runner.py's fill_placeholders)
+
+    Every list of rows holds indices into rows."""
 
     rows: list[tuple]
     query_lens: list[int]
@@ -51,17 +53,16 @@ class SchedulerOutput:
     placeholders: list[int]
 
     @classmethod
-    def build(cls, work: list[tuple], placeholders: list[int] | None = None) -> SchedulerOutput:
+    def build(cls, work: list[tuple], placeholders=None) -> SchedulerOutput:
         """The scheduler's [(request, new tokens)] -> the step's plan. placeholders: the rows whose last input is on
         the device, when known already (a tensor-parallel worker is told them); None: found here, the rows whose new
         tokens run past the tokens the host has read."""
         ends = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in work]  # the row reaches its newest token
         if placeholders is None:
             placeholders = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n > len(seq.token_ids)]
-        return cls(rows=list(work), query_lens=[n for _, n in work],
-                   starts=[seq.num_computed_tokens for seq, _ in work],
+        return cls(rows=work, query_lens=[n for _, n in work], starts=[seq.num_computed_tokens for seq, _ in work],
                    decodes=[i for i, (_, n) in enumerate(work) if n == 1 and ends[i]],
-                   sample_rows=[i for i, end in enumerate(ends) if end], placeholders=list(placeholders))
+                   sample_rows=[i for i, end in enumerate(ends) if end], placeholders=placeholders)
 
     @property
     def num_decodes(self) -> int:
@@ -69,8 +70,9 @@ class SchedulerOutput:
 
     @property
     def decodes_only(self) -> bool:
-        """Every row a decode: the step a CUDA graph can replay, and flash decoding may split."""
-        return len(self.decodes) == len(self.rows)
+        """Every row a decode of one token (as many decodes as new tokens): the step a CUDA graph can replay, and
+        flash decoding may split."""
+        return len(self.decodes) == sum(self.query_lens)
 
 
 class Scheduler:

@@ -1,9 +1,10 @@
 """The model runner: the engine's one door to the model.
 
-It owns the model and the KV cache (allocates it, sized from the device's memory), turns the scheduled
-sequences into the tensors the model reads (input ids, positions, the slot mapping, and one AttentionMetadata
-that the model's attention backend builds: attention.py), runs the forward, and samples the next tokens. The
-scheduler and the block manager never touch a tensor; the model never sees a sequence.
+It owns the model and the KV cache (allocates it, sized from the device's memory), turns the step's plan (the
+scheduler's SchedulerOutput: the scheduled sequences, which rows are decodes, which sample) into the tensors the
+model reads (input ids, positions, the slot mapping, and one AttentionMetadata that the model's attention backend
+builds: attention.py), runs the forward, and samples the next tokens. The scheduler and the block manager never
+touch a tensor; the model never sees a sequence.
 
 The block tables live in BlockTables, one persistent row per running sequence (max_num_seqs rows, as wide
 as the widest table can be: max_table_blocks). A step writes into the rows only the blocks appended since the
@@ -31,7 +32,7 @@ Overlap scheduling (the engine's async_scheduling). The engine launches step N +
 sampled tokens, so a sequence's newest input token may be a placeholder: sampled, not read by the host, not in its
 token_ids (sequence.py's num_output_placeholders). The device knows it: after sampling, each sampled token is
 written into last_token, one entry per block-table row (the row of the sequence it was sampled for). The engine
-names the work's sequences whose last input is a placeholder (execute's placeholders); their input ids are taken
+names the sequences whose last input is a placeholder (the plan's placeholders); their input ids are taken
 on the device from their rows' entries (fill_placeholders), in the eager path and in the graphs' static inputs
 alike. Sampling is cut in two halves:
 launch_sample queues the work and the copies of its results to the host, behind an event; read_sampled waits for
@@ -50,6 +51,7 @@ from .kv_spec import KVSpec, kv_spec
 from .model import CausalLM, KVCache, to_device  # noqa: F401  (to_device: imported from here too)
 from .parallel import WorkerError
 from .sampler import sample_batch, wants_filters
+from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
 CPU_DEFAULT_KV_TOKENS = 32768  # on the CPU, max_kv_tokens sizes the cache (default 32768 tokens)
@@ -309,7 +311,7 @@ class ModelRunner:
         prompt = SimpleNamespace(request_id="profile", token_ids=[0] * num_tokens, num_computed_tokens=0,
                                  num_tokens=num_tokens, block_table=list(range(num_blocks)))
         self.block_tables = BlockTables(1, num_blocks, self.device)  # its one row, for this forward only
-        self.model.forward(*self.prepare([(prompt, num_tokens)], block_size))
+        self.model.forward(*self.prepare(SchedulerOutput.build([(prompt, num_tokens)]), block_size))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.model.kv_cache = self.block_tables = None
@@ -317,19 +319,17 @@ class ModelRunner:
         return peak - num_blocks * block_size * self.kv_spec.bytes_per_token
 
     # ---- one engine step ----------------------------------------------------------------------------------
-    def prepare(self, work: list[tuple[Sequence, int]], block_size: int | None = None, changes=None,
-                placeholders=()):
-        """Every scheduled (sequence, number of new tokens) -> one flat batch: input ids and positions [N], and
-        the attention metadata (built by the model's attention backend, attention.py). A decode is a sequence
-        with one new token; a prefill chunk has n. changes: the work's block-table changes (None: found here).
-        placeholders: the indices in work of the sequences whose last new token is a placeholder."""
+    def prepare(self, plan: SchedulerOutput, block_size: int | None = None, changes=None):
+        """The step's plan, every scheduled (sequence, number of new tokens) -> one flat batch: input ids and
+        positions [N], and the attention metadata (built by the model's attention backend, attention.py). A decode
+        is a sequence with one new token; a prefill chunk has n. changes: the rows' block-table changes (None: found
+        here). A row among the plan's placeholders has its last input id filled on the device."""
         block_size = block_size or self.kv_cache.data.shape[3]
         tables = self.block_tables
-        rows = tables.write(tables.changes(work) if changes is None else changes)  # each row holds its whole table
-        late = set(placeholders)
+        rows = tables.write(tables.changes(plan.rows) if changes is None else changes)  # each row: its whole table
+        late = set(plan.placeholders)
         ids, positions, fill = [], [], []
-        for i, ((seq, n), row) in enumerate(zip(work, rows)):
-            start = seq.num_computed_tokens
+        for i, ((seq, n), start, row) in enumerate(zip(plan.rows, plan.starts, rows)):
             if i in late:  # its last input is not in token_ids: 0 here, then last_token's, on the device
                 ids += seq.token_ids[start:start + n - 1]
                 fill.append((len(ids), row))
@@ -338,8 +338,8 @@ class ModelRunner:
                 ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
         positions = torch.tensor(positions)  # [N]
-        slots = tables.slots(rows, positions, [n for _, n in work], block_size)  # [N]: where the K/V write goes
-        metadata = self.model.attention_backend.metadata(work, to_device(slots, self.device), block_size, tables, rows)
+        slots = tables.slots(rows, positions, plan.query_lens, block_size)  # [N]: where the K/V write goes
+        metadata = self.model.attention_backend.metadata(plan, to_device(slots, self.device), block_size, tables, rows)
         input_ids = to_device(torch.tensor(ids), self.device)
         if fill:
             self.fill_placeholders(input_ids, fill)
@@ -352,33 +352,31 @@ class ModelRunner:
         index = to_device(torch.tensor(fill).T.contiguous(), self.device)  # [2, P]: flat indices, rows
         input_ids[index[0]] = self.last_token[index[1]]
 
-    def graph_can_run(self, work: list[tuple[Sequence, int]]) -> bool:
+    def graph_can_run(self, plan: SchedulerOutput) -> bool:
         """A step of decodes only (each row its sequence's newest token), no larger than the largest graph."""
-        return (self.graphs is not None and len(work) <= self.graphs.sizes[-1]
-                and all(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work))
+        return self.graphs is not None and len(plan.rows) <= self.graphs.sizes[-1] and plan.decodes_only
 
-    def execute(self, work: list[tuple[Sequence, int]], changes=None, placeholders=(),
-                logits_rows: list[int] | None = None) -> torch.Tensor:
-        """Run the scheduled work in one forward: every (sequence, new tokens) side by side in one flat batch.
+    def execute(self, plan: SchedulerOutput, changes=None, logits_rows: list[int] | None = None) -> torch.Tensor:
+        """Run the step's plan in one forward: every (sequence, new tokens) side by side in one flat batch.
         A step of decodes replays its bucket's graph; any other step runs eagerly.
-        -> the logits of each sequence's last new token, in the order of the work: [S, vocab].
-        Tensor parallel: rank 0 first sends the work to the workers, with its block-table changes (each sequence's
-        row and the blocks it got since its last step), and the workers run this same method on them.
-        placeholders: the indices in work of the sequences whose last new token is a placeholder (sampled
-        by the step before, not read by the host): its input id is its row's last_token, on the device.
+        -> the logits of each sequence's last new token, in the order of the rows: [S, vocab].
+        The plan's placeholders: the rows whose last new token is a placeholder (sampled by the step before, not
+        read by the host): its input id is its row's last_token, on the device.
         logits_rows (flat token indices) -> the logits of those tokens instead; such a step runs eagerly,
-        on one rank (the engine refuses speculation with tensor parallelism)."""
+        on one rank (the engine refuses speculation with tensor parallelism).
+        Tensor parallel: rank 0 first sends the rows to the workers, with their block-table changes (each sequence's
+        row and the blocks it got since its last step), and the workers run this same method on them."""
         if self.results_event is not None and not self.results_event.query():  # the device still runs a step
             self.stats["overlapped_launches"] += 1  # whose results the host has not read: this one overlaps
         if changes is None:  # rank 0 (or alone) decides the rows; a worker is given them
             with self.timers.phase("prepare inputs"):
-                changes = self.block_tables.changes(work)
+                changes = self.block_tables.changes(plan.rows)
         if self.workers is None:
-            return self._execute(work, changes, placeholders, logits_rows)
-        samples = any(seq.num_computed_tokens + n == seq.num_tokens for seq, n in work)
-        self.workers.start_step(self.model.tp, work, changes, placeholders, share_tokens=self.share_tokens and samples)
+            return self._execute(plan, changes, logits_rows)
+        share_tokens = self.share_tokens and bool(plan.sample_rows)
+        self.workers.start_step(self.model.tp, plan.rows, changes, plan.placeholders, share_tokens=share_tokens)
         try:
-            return self._execute(work, changes, placeholders)
+            return self._execute(plan, changes)
         except BaseException as e:
             failure = None if isinstance(e, KeyboardInterrupt) else self.workers.failure(wait_s=1)
             if failure:  # a collective failed because a worker died or failed: say which
@@ -389,31 +387,32 @@ class ModelRunner:
                                     "ranks' collectives no longer line up")
             raise
 
-    def _execute(self, work: list[tuple[Sequence, int]], changes, placeholders=(), logits_rows=None) -> torch.Tensor:
-        if logits_rows is not None and self.verify_graphs is not None and self.verify_graphs.can_run(work):
-            return self._replay_verify(work, changes, logits_rows)
-        if logits_rows is None and self.graph_can_run(work):
+    def _execute(self, plan: SchedulerOutput, changes, logits_rows=None) -> torch.Tensor:
+        placeholders, num_rows = plan.placeholders, len(plan.rows)
+        if logits_rows is not None and self.verify_graphs is not None and self.verify_graphs.can_run(plan):
+            return self._replay_verify(plan, changes, logits_rows)
+        if logits_rows is None and self.graph_can_run(plan):
             with self.timers.phase("prepare inputs"):
                 rows = self.block_tables.write(changes)  # the new blocks, in place
-                size = self.graphs.prepare([seq for seq, _ in work], self.block_tables, rows, placeholders)
+                size = self.graphs.prepare([seq for seq, _ in plan.rows], self.block_tables, rows, placeholders)
                 if placeholders:  # row i of the static inputs is sequence i
                     self.fill_placeholders(self.graphs.inputs.input_ids, [(i, rows[i]) for i in placeholders])
             with self.timers.phase("forward"):
                 self.stats["forwards"] += 1
                 self.stats["graph_replays" if size in self.graphs.graphs else "eager_forwards"] += 1
-                self.stats["padded_rows"] += size - len(work)
-                return self.graphs.launch(size, len(work))
+                self.stats["padded_rows"] += size - num_rows
+                return self.graphs.launch(size, num_rows)
         with self.timers.phase("prepare inputs"):
-            input_ids, positions, attn = self.prepare(work, changes=changes, placeholders=placeholders)
+            input_ids, positions, attn = self.prepare(plan, changes=changes)
         with self.timers.phase("forward"):
             self.stats["forwards"] += 1
             self.stats["eager_forwards"] += 1
             return self.model.forward(input_ids, positions, attn, logits_rows)
 
-    def _replay_verify(self, work: list[tuple[Sequence, int]], changes, logits_rows: list[int]) -> torch.Tensor:
+    def _replay_verify(self, plan: SchedulerOutput, changes, logits_rows: list[int]) -> torch.Tensor:
         """A verify step (drafting rows and decodes, no prompt chunk) in its bucket's graph: every row padded
         to k + 1 tokens (cuda_graphs.py's VerifyGraphs); -> the logits of logits_rows, picked from the graph's."""
-        graphs = self.verify_graphs
+        graphs, work = self.verify_graphs, plan.rows
         with self.timers.phase("prepare inputs"):
             rows = self.block_tables.write(changes)
             size = graphs.prepare(work, self.block_tables, rows)
@@ -425,22 +424,22 @@ class ModelRunner:
             self.stats["padded_rows"] += size - len(work)
             return graphs.launch(size, size * graphs.query_len)[picked]
 
-    def execute_model(self, work: list[tuple[Sequence, int]], sample_rows: list[int], placeholders=(),
-                      keep_on_device: bool = False, drafts: dict[int, list[int]] | None = None):
-        """One step on the device: the forward of every row of the work (execute), then one sampler call for the
-        rows that sample (sample_rows, indices into work: a decode, or a chunk that reaches its prompt's end), queued
-        (launch_sample), and the verdict on the drafts ({index in work: drafts}; verify, one wait). A drafting
+    def execute_model(self, plan: SchedulerOutput, keep_on_device: bool = False):
+        """One step on the device: the forward of every row of the plan (execute), then one sampler call for the
+        rows that sample (the plan's sample_rows: a decode, or a chunk that reaches its prompt's end), queued
+        (launch_sample), and the verdict on the drafts (the plan's {row: drafts}; verify, one wait). A drafting
         sequence's logits are taken at its newest token and at every draft, one row else (logits_rows). -> (the draw
         on its way to the host, which read_sampled reads, or None when no row samples; the verdicts in the order of
-        the drafting indices, or None). The logits stay in the runner."""
-        logits_rows, first_row = None, list(range(len(work)))  # the logits' first row of each sequence
+        the drafting rows, or None). The logits stay in the runner."""
+        work, sample_rows = plan.rows, plan.sample_rows
+        drafts, logits_rows, first_row = plan.drafts, None, list(range(len(work)))  # the logits' first row of each
         if drafts:
             logits_rows, first_row, start = [], [], 0
             for i, (seq, n) in enumerate(work):
                 first_row.append(len(logits_rows))
                 logits_rows += range(start, start + n) if i in drafts else [start + n - 1]
                 start += n
-        logits = self.execute(work, placeholders=placeholders, logits_rows=logits_rows)  # in the order of the work
+        logits = self.execute(plan, logits_rows=logits_rows)  # in the order of the rows
         launched = verdicts = None
         if sample_rows:
             with self.timers.phase("sample"):

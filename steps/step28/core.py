@@ -5,7 +5,7 @@ out. What a caller sees of a request before it is queued and after it is done is
 streaming AsyncLLM feeds. Both build it from an EngineConfig, and neither reaches into it.
 
     sequence.py       one request's state (status, tokens, placeholders, num_computed_tokens, block table)
-    scheduler.py      which sequences run in the next step, and how many tokens each
+    scheduler.py      which sequences run in the next step, and how many tokens each; the plan (SchedulerOutput)
     block_manager.py  which cache blocks hold which tokens (paged KV, prefix caching)
     model_runner.py   sequences -> tensors, the forward, the sampler, the read-back; owns the model and the KV cache
     attention.py      how attention runs, one object per backend: its metadata per step, its math per layer
@@ -27,7 +27,7 @@ The overlapped order (async_scheduling, vLLM's name; None: on with CUDA, off els
 N + 1 and launches its forward and its sampling before it reads step N's tokens: the device runs step N + 1 while the
 host reads step N, finishes what it finished, builds the outputs, and schedules and prepares the next step. A token
 the host has not read is a placeholder of its sequence, only counted (num_output_placeholders); the device keeps it
-(the runner's last_token) and the next step's inputs read it there (execute's placeholders). Finish is known one step
+(the runner's last_token) and the next step's inputs read it there (the plan's placeholders). Finish is known one step
 late: a request that step N finishes was already scheduled into step N + 1, whose token for it is thrown away
 (stats["discarded_tokens"]), never emitted. A launch or a read that fails leaves no step in flight, and the requests
 of the two steps it touched fail as one step (below). The CPU runs the same order on its one stream.
@@ -65,7 +65,7 @@ from .detokenizer import IncrementalDetokenizer
 from .output import Finish, check_stop
 from .parallel import TensorParallel, WorkerError, rank_device
 from .sampler import request_seed
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .speculative import Drafter
 from .worker import Workers, build_rank, start_tensor_parallel, stop_tensor_parallel
@@ -192,21 +192,15 @@ class EngineCore:
         if not scheduled:  # idle: nothing waits or runs
             return []
         self.timers.steps += 1
-        with timer("schedule"):
-            decodes = sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
-            self.stats["decode_steps"] += bool(decodes)
-            self.stats["decode_rows"] += decodes
-            self.stats["prefill_chunks"] += len(work) - decodes
         spec = self.drafter.propose(work, self.scheduler) if drafting else {}  # {work index: drafts}
-        if spec:
-            work = [(seq, n + len(spec[i])) if i in spec else (seq, n) for i, (seq, n) in enumerate(work)]
-        # Decodes get a token; a chunk gets one only if it reaches its prompt's last token (its logits are the next
-        # token's), otherwise its row is dropped; a drafting sequence's tokens are the verdict's.
-        rows = [i for i, (seq, n) in enumerate(work) if i not in spec and seq.num_computed_tokens + n == seq.num_tokens]
-        sampled = [scheduled[i] for i in rows]
+        with timer("schedule"):
+            plan = SchedulerOutput.build(work, drafts=spec)  # the step's plan: its decodes, the rows that get a token
+            self.stats["decode_steps"] += bool(plan.num_decodes)
+            self.stats["decode_rows"] += plan.num_decodes
+            self.stats["prefill_chunks"] += len(work) - plan.num_decodes
+        sampled = [scheduled[i] for i in plan.sample_rows]
         try:
-            # the forward, one sampler call for the batch, and the verdict on the drafts
-            launched, verdicts = self.runner.execute_model(work, rows, drafts=spec)
+            launched, verdicts = self.runner.execute_model(plan)  # the forward, one draw, the verdict on the drafts
             with timer("schedule"):
                 # a drafting sequence counts its tokens as computed after the verdict, not before
                 self.scheduler.postprocess([(seq, n) for i, (seq, n) in enumerate(work) if i not in spec])
@@ -308,18 +302,15 @@ class EngineCore:
         scheduled = [seq for seq, _ in work]
         self.timers.steps += 1
         with timer("schedule"):
-            decodes = sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
-            self.stats["decode_steps"] += bool(decodes)
-            self.stats["decode_rows"] += decodes
-            self.stats["prefill_chunks"] += len(work) - decodes
-            # a sequence gets a token if this step reaches its last token (a prompt chunk before the end does not)
-            rows = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n == seq.num_tokens]
-            # inputs past the tokens the host knows: a sequence's newest one, step N's token, still on the device
-            placeholders = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n > len(seq.token_ids)]
-        results, _ = self.runner.execute_model(work, rows, placeholders=placeholders, keep_on_device=True)
+            # the step's plan; its placeholders: inputs past the tokens the host knows (step N's, on the device)
+            plan = SchedulerOutput.build(work)
+            self.stats["decode_steps"] += bool(plan.num_decodes)
+            self.stats["decode_rows"] += plan.num_decodes
+            self.stats["prefill_chunks"] += len(work) - plan.num_decodes
+        results, _ = self.runner.execute_model(plan, keep_on_device=True)
         if results is None:
             return None
-        sampled = [scheduled[i] for i in rows]
+        sampled = [scheduled[i] for i in plan.sample_rows]
         for seq in sampled:  # after the draw: its keys count the outputs before
             seq.num_output_placeholders += 1
         event = results.copies.event

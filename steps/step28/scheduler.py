@@ -15,12 +15,68 @@ goes back to the front of the queue, to be recomputed from its tokens later.
 Suspects. When a step of several requests fails (engine.py's _fail_step), each of them is put back as a
 preempted request and marked suspect (requeue). A suspect that holds a seat runs alone, so that a step that fails
 then is its own; once it gets a token it is cleared (clear_suspect) and runs with the others again.
+
+The plan. What schedule() returns is the step's work, [(request, tokens)]; the core turns it once into a
+SchedulerOutput (vLLM V1's name), the step's plan, which the runner, the attention metadata and the CUDA graphs read
+instead of asking each request again which kind of row it is.
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from .sequence import SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan, built once from the scheduler's work (build), then only read: by the core (its counters, the
+    requests that get a token), the model runner (the inputs), the attention backend (its metadata) and the CUDA
+    graphs (whether the step replays one).
+
+        rows          [(request, new tokens)], in the scheduler's order: decodes first, then prompt chunks
+        query_lens    each row's new tokens [S]
+        starts        each row's first new token's position: the request's num_computed_tokens [S]
+        decodes       the rows that are decodes: one new token, the request's newest
+        sample_rows   the rows that get a token: a decode, or a chunk that reaches its prompt's last token (its
+                      logits are the next token's); a chunk before the end gets none, its row is dropped
+        placeholders  the rows whose last new token is a placeholder (sampled by the step in flight, not read by the
+                      host): its input id is taken on the device (model_runner.py's fill_placeholders)
+        drafts        {row: its drafts} (Drafter.propose): a decode run with its drafts, whose tokens are the verdict's
+
+    Every list of rows holds indices into rows."""
+
+    rows: list[tuple]
+    query_lens: list[int]
+    starts: list[int]
+    decodes: list[int]
+    sample_rows: list[int]
+    placeholders: list[int]
+    drafts: dict[int, list[int]]
+
+    @classmethod
+    def build(cls, work: list[tuple], placeholders=None, drafts=None) -> SchedulerOutput:
+        """The scheduler's [(request, new tokens)] -> the step's plan. placeholders: the rows whose last input is on
+        the device, when known already (a tensor-parallel worker is told them); None: found here, the rows whose new
+        tokens run past the tokens the host has read."""
+        drafts, scheduled = drafts or {}, work  # a drafting row runs its newest token and its drafts (in its tokens)
+        work = [(seq, n + len(drafts.get(i, ()))) for i, (seq, n) in enumerate(work)]
+        ends = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in work]  # the row reaches its newest token
+        if placeholders is None:
+            placeholders = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n > len(seq.token_ids)]
+        return cls(rows=work, query_lens=[n for _, n in work], starts=[seq.num_computed_tokens for seq, _ in work],
+                   decodes=[i for i, (_, n) in enumerate(scheduled) if n == 1 and ends[i]], drafts=drafts,
+                   sample_rows=[i for i, end in enumerate(ends) if end and i not in drafts], placeholders=placeholders)
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decodes)
+
+    @property
+    def decodes_only(self) -> bool:
+        """Every row a decode of one token (as many decodes as new tokens): the step a CUDA graph can replay, and
+        flash decoding may split."""
+        return len(self.decodes) == sum(self.query_lens)
 
 
 class Scheduler:

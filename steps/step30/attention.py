@@ -7,9 +7,9 @@
 
 Each object does two things, and is the only code that knows how its attention runs:
 
-    metadata(work, slots, block_size,   once per step, called by the model runner: the scheduled work
-             tables, rows)              [(sequence, new tokens)] -> one AttentionMetadata, for every layer
-                                        (tables: the runner's BlockTables; rows: the work's rows in it)
+    metadata(plan, slots, block_size,   once per step, called by the model runner: the step's plan (the
+             tables, rows)              scheduler's SchedulerOutput) -> one AttentionMetadata, for every layer
+                                        (tables: the runner's BlockTables; rows: the plan's rows in it)
     forward(q, k_cache, v_cache, attn,  once per layer, called by the model once it has written the new tokens'
             k_scale, v_scale)           K/V into the cache: q [N, heads, head_dim] -> [N, heads * head_dim]
 
@@ -37,11 +37,6 @@ def cumulative(query_lens) -> list[int]:
     return cu
 
 
-def num_decodes(work) -> int:
-    """How many sequences of the work are decodes (one new token, the newest); the scheduler puts them first."""
-    return sum(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work)
-
-
 class TorchAttention:
     """step14_7's loop, in plain PyTorch: every sequence attends on its own, to the K/V gathered from its
     context's slots, with its causal mask (none for a decode). The kernels' reference math."""
@@ -51,18 +46,18 @@ class TorchAttention:
     def __init__(self, config, device: torch.device):
         self.config, self.device = config, device
 
-    def metadata(self, work, slots: torch.Tensor, block_size: int, tables=None, rows=None) -> AttentionMetadata:
+    def metadata(self, plan, slots: torch.Tensor, block_size: int, tables=None, rows=None) -> AttentionMetadata:
         """Every sequence loops: its context slots and causal mask, computed once here for every layer (from its
         block table: the loop reads each context whole anyway, so it needs no rows)."""
-        return self.loop_metadata(work, slots, block_size, looped=len(work))
+        return self.loop_metadata(plan, slots, block_size, looped=len(plan.rows))
 
-    def loop_metadata(self, work, slots: torch.Tensor, block_size: int, looped: int) -> AttentionMetadata:
+    def loop_metadata(self, plan, slots: torch.Tensor, block_size: int, looped: int) -> AttentionMetadata:
         """The metadata of the flat batch (cumulative query lengths, the slot mapping [N], on the device), with the
-        context slots and causal masks of its first `looped` sequences: those that attend in the loop."""
-        context = [context_slots(seq.block_table, seq.num_computed_tokens + n, block_size, self.device)
-                   for seq, n in work[:looped]]
-        masks = [causal_mask(seq.num_computed_tokens, n, self.device) for seq, n in work[:looped]]  # None: decodes
-        return AttentionMetadata(cumulative(n for _, n in work), slots, context, masks)
+        context slots and causal masks of the plan's first `looped` rows: those that attend in the loop."""
+        rows = list(zip(plan.rows, plan.starts, plan.query_lens))[:looped]
+        context = [context_slots(seq.block_table, start + n, block_size, self.device) for (seq, _), start, n in rows]
+        masks = [causal_mask(start, n, self.device) for _, start, n in rows]  # None: decodes
+        return AttentionMetadata(cumulative(plan.query_lens), slots, context, masks)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,37 +114,37 @@ class TritonAttention(TorchAttention):
             self.counters = decode_counters(max(num_seqs, 1024), self.config.num_kv_heads, self.device)
         return self.counters
 
-    def metadata(self, work, slots: torch.Tensor, block_size: int, tables, rows: list[int]) -> AttentionMetadata:
+    def metadata(self, plan, slots: torch.Tensor, block_size: int, tables, rows: list[int]) -> AttentionMetadata:
         """Nothing loops, so no sequence needs the loop's context slots or masks. Every row gets its block table
         (from the runner's persistent rows) and lengths, and the tiles the kernel cuts its new tokens into, once for
         every layer."""
         from .kernels.attention import tile_map, tile_rows  # imported with the kernels, only when they run
         from .kernels.decode import choose_num_splits
 
-        attn = self.loop_metadata(work, slots, block_size, looped=0)
-        tables, cu, lens = self.kernel_tensors(work, tables, rows)
-        if num_decodes(work) == len(work):  # decodes only: split long contexts if that fills the GPU better
-            longest = max(seq.num_tokens for seq, _ in work)
-            splits = choose_num_splits(len(work), self.config.num_kv_heads, longest, **self.split_rule)
+        attn = self.loop_metadata(plan, slots, block_size, looped=0)
+        tables, cu, lens = self.kernel_tensors(plan, tables, rows)
+        if plan.decodes_only:  # decodes only: split long contexts if that fills the GPU better
+            longest = max(seq.num_tokens for seq, _ in plan.rows)
+            splits = choose_num_splits(len(plan.rows), self.config.num_kv_heads, longest, **self.split_rule)
             if splits > 1:
-                attn.decode = DecodeMetadata(len(work), tables, lens, splits)
+                attn.decode = DecodeMetadata(len(plan.rows), tables, lens, splits)
                 return attn
         group = self.config.num_heads // self.config.num_kv_heads
-        max_query_len = max(n for _, n in work)
+        max_query_len = max(plan.query_lens)
         block_m = tile_rows(max_query_len, group)
-        tile_seq, tile_first = tile_map(torch.tensor([n for _, n in work]), block_m // group)  # on the CPU
+        tile_seq, tile_first = tile_map(torch.tensor(plan.query_lens), block_m // group)  # on the CPU
         attn.mixed = MixedMetadata(tables, cu, lens, max_query_len, to_device(tile_seq, self.device),
                                    to_device(tile_first, self.device), block_m)
         return attn
 
-    def kernel_tensors(self, work, tables, rows: list[int]):
-        """(sequence, new tokens) pairs -> the int32 device tensors the kernels read: their block tables, the rows
-        `rows` of the runner's BlockTables cut to the widest [S, widest] (one index_select, one copy), cumulative
-        query lengths [S + 1], context lengths after this step [S]."""
+    def kernel_tensors(self, plan, tables, rows: list[int]):
+        """The plan's rows -> the int32 device tensors the kernels read: their block tables, the rows `rows` of the
+        runner's BlockTables cut to the widest [S, widest] (one index_select, one copy), cumulative query lengths
+        [S + 1], context lengths after this step [S]."""
         tables = tables.gather(rows)  # [S, widest]; past a row's length: stale entries, never read
-        lens = [seq.num_computed_tokens + n for seq, n in work]
+        lens = [start + n for start, n in zip(plan.starts, plan.query_lens)]
         as_tensor = lambda x: to_device(torch.tensor(x, dtype=torch.int32), self.device)  # noqa: E731
-        return to_device(tables, self.device), as_tensor(cumulative(n for _, n in work)), as_tensor(lens)
+        return to_device(tables, self.device), as_tensor(cumulative(plan.query_lens)), as_tensor(lens)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:

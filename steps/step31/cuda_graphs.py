@@ -286,14 +286,14 @@ class VerifyGraphs(DecodeGraphs):
         inputs.seq_lens.fill_(q)
         inputs.block_tables[:size].fill_(self.scratch_block)
 
-    def can_run(self, work: list) -> bool:
-        """Every row its sequence's newest n <= query_len tokens, whose padding stays inside the model's length and
-        the block tables' width; no more rows than the largest graph."""
+    def can_run(self, plan) -> bool:
+        """The step's plan (scheduler.py's SchedulerOutput): every row its sequence's newest n <= query_len tokens (a
+        row that samples or drafts: no prompt chunk before its end), whose padding stays inside the model's length
+        and the block tables' width; no more rows than the largest graph."""
         q = self.query_len
         max_len = min(self.model.config.max_position_embeddings, self.inputs.max_blocks * self.block_size)
-        return len(work) <= self.sizes[-1] and all(
-            n <= q and seq.num_computed_tokens + n == seq.num_tokens and seq.num_computed_tokens + q <= max_len
-            for seq, n in work)
+        return (len(plan.rows) <= self.sizes[-1] and len(plan.sample_rows) + len(plan.drafts) == len(plan.rows)
+                and all(n <= q and start + q <= max_len for start, n in zip(plan.starts, plan.query_lens)))
 
     def prepare(self, work: list, tables, rows: list[int]) -> int:
         size = padded_size(len(work), self.sizes)

@@ -26,10 +26,10 @@ Rank 0 is the engine (scheduler, block manager, sampler) in the user's process. 
 every step, rank 0 rings a doorbell (a pipe per worker: "a step of this many numbers") and broadcasts the step's
 inputs as one int64 tensor (pack_work: each row's start, new tokens, length, its block-table row with the blocks it
 got since its last step, and whether its last new token is a placeholder, filled on the device). A worker rebuilds
-the rows (StepRow) and calls its own model runner's execute, exactly what rank 0 runs; the collectives inside the
-forward meet rank 0's. Every worker keeps persistent block-table rows of its own (model_runner.py's BlockTables) and
-writes the new blocks into the rows rank 0 names, so a table crosses the pipe whole once, when its sequence takes a
-row, and then only block by block as it grows.
+the rows (StepRow), and from them the step's plan (worker.py), and calls its own model runner's execute, exactly what
+rank 0 runs; the collectives inside the forward meet rank 0's. Every worker keeps persistent block-table rows of its
+own (model_runner.py's BlockTables) and writes the new blocks into the rows rank 0 names, so a table crosses the pipe
+whole once, when its sequence takes a row, and then only block by block as it grows.
 
 A worker exits when the engine stops it (shutdown), when its parent process is gone (the pipe from rank 0 closes
 with the process that held its other end, however that process ended), or on an error (after sending the

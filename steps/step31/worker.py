@@ -26,6 +26,7 @@ from .model import CausalLM
 from .model_runner import ModelRunner
 from .parallel import (TIMEOUT_S, TensorParallel, WorkerError, WorkerValueError, free_port, pack_work,  # noqa: F401
                        rank_device, unpack_work)
+from .scheduler import SchedulerOutput
 from .timers import PhaseTimers
 
 
@@ -266,7 +267,7 @@ def worker_main(rank: int, size: int, init_method: str, device: str, config: Eng
                 conn.send(("tables", runner.block_tables.held()))
                 continue
             work, changes, placeholders = unpack_work(tp.broadcast_inputs(None, numel), runner.block_tables)
-            runner.execute(work, changes, placeholders)
+            runner.execute(SchedulerOutput.build(work, placeholders), changes)  # rank 0's plan, from its rows
             if kind == "step+tokens":  # rank 0's sampled tokens, for this rank's placeholders' inputs
                 tp.broadcast_tokens(runner.last_token)
     except (EOFError, KeyboardInterrupt):

@@ -27,6 +27,7 @@ from .model_runner import ModelRunner
 from .offload import HostKVStore
 from .parallel import (TIMEOUT_S, TensorParallel, WorkerError, WorkerValueError, free_port, pack_work,  # noqa: F401
                        rank_device, unpack_work)
+from .scheduler import SchedulerOutput
 from .timers import PhaseTimers
 
 
@@ -283,7 +284,7 @@ def worker_main(rank: int, size: int, init_method: str, device: str, config: Eng
                                                           if k.startswith("host_")}))
                 continue
             work, changes, placeholders, copies = unpack_work(tp.broadcast_inputs(None, numel), runner.block_tables)
-            runner.execute(work, changes, placeholders, copies=copies)
+            runner.execute(SchedulerOutput.build(work, placeholders, copies=copies), changes)  # rank 0's plan
             if kind == "step+tokens":  # rank 0's sampled tokens, for this rank's placeholders' inputs
                 tp.broadcast_tokens(runner.last_token)
     except (EOFError, KeyboardInterrupt):
