@@ -545,6 +545,12 @@ MUTATIONS = [
         "        queue, self.queue = sorted(self.queue, key=lambda op: op[0] == \"out\"), []\n",
         ("tests/test_part10_offload.py::test_a_block_evicted_again_before_its_restore_ran",)),
     Mutation(
+        "step32-sync-step-rings-for-tokens", "step32's synchronous steps tell the workers that rank 0's tokens follow",
+        "steps/step32/model_runner.py",
+        "        share_tokens = self.share_tokens and keep_on_device and bool(plan.sample_rows)\n",
+        "        share_tokens = self.share_tokens and bool(plan.sample_rows)\n",
+        ("tests/test_part9_overlap.py::test_tensor_parallel_steps_in_sync_after_a_failed_step_keep_the_ranks_in_step",)),
+    Mutation(
         "step32-workers-skip-host-copies", "step32's tensor-parallel workers never run the host tier's copies",
         "steps/step32/worker.py",
         "            runner.execute(SchedulerOutput.build(work, placeholders, copies=copies), changes)",

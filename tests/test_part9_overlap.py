@@ -24,7 +24,8 @@ import torch
 
 from helpers import (BF16_LOGPROB_MAX_ATOL, STEP_LOGPROB_ATOL_FP32, compare_completions, load_engine, read_golden,
                      step_module)
-from registry import EQUIV_MAX_TOKENS, REAL, TINY, TINY_QWEN3, introducing, previous
+from core_faults import STEP_FAILURE_SEED, inject_step_faults
+from registry import EQUIV_MAX_TOKENS, REAL, TINY, TINY_QWEN3, having, introducing, previous
 from shared import SamplingParams
 
 OVERLAP = introducing("overlap_scheduling")
@@ -282,6 +283,33 @@ def test_tensor_parallel_ranks_read_the_pending_tokens_from_rank_0():
         assert_same(got, want, "tensor parallel, async scheduling")
         assert llm.stats["discarded_tokens"] >= 1  # a request ran a step past its end: the one-step-late order ran
         assert llm.async_scheduling and llm.runner.share_tokens and "scheduling: async" in llm.backend
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("step", having("overlap_scheduling"))
+def test_tensor_parallel_steps_in_sync_after_a_failed_step_keep_the_ranks_in_step(step):
+    """Two ranks, async scheduling, and a step that fails beside another request: the request put back runs its next
+    steps synchronously (a suspect), whose tokens are read on the host and never broadcast. The workers must not
+    wait for a broadcast then (only a step that keeps its tokens on the device rings "step+tokens"), or the ranks'
+    collectives part and a worker dies: the request put back finishes with all its tokens, the workers alive."""
+    llm = load_engine(step).LLM(TINY, async_scheduling=True, tensor_parallel_size=2, **OPTIONS)
+    try:
+        inject_step_faults(llm)
+        llm.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, seed=STEP_FAILURE_SEED))
+        llm.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        done, failures = {}, 0
+        for _ in range(60):
+            try:
+                done.update((out.request_id, out) for out in llm.step())
+            except RuntimeError as e:
+                assert "injected failure" in str(e), e  # a worker that died would raise a WorkerError here
+                failures += 1
+            if not llm.has_unfinished_requests():
+                break
+        assert failures >= 1 and llm.stats["requeued_after_failure"] >= 1
+        assert [len(out.outputs[0].token_ids) for out in done.values()] == [8]
+        assert all(p.is_alive() for p in llm.workers.processes)
     finally:
         llm.shutdown()
 

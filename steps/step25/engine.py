@@ -408,7 +408,7 @@ class LLM:
             rows = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n == seq.num_tokens]
             # inputs past the tokens the host knows: a sequence's newest one, step N's token, still on the device
             placeholders = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n > len(seq.token_ids)]
-        logits = self.runner.execute(work, placeholders=placeholders)  # one row per scheduled sequence, in order
+        logits = self.runner.execute(work, placeholders=placeholders, keep_on_device=True)  # a row per sequence
         if not rows:
             return None
         with timer("sample"):

@@ -319,7 +319,8 @@ class ModelRunner:
         return (self.graphs is not None and len(work) <= self.graphs.sizes[-1]
                 and all(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in work))
 
-    def execute(self, work: list[tuple[Sequence, int]], changes=None, placeholders=()) -> torch.Tensor:
+    def execute(self, work: list[tuple[Sequence, int]], changes=None, placeholders=(),
+                keep_on_device: bool = False) -> torch.Tensor:
         """Run the scheduled work in one forward: every (sequence, new tokens) side by side in one flat batch.
         A step of decodes replays its bucket's graph; any other step runs eagerly.
         -> the logits of each sequence's last new token, in the order of the work: [S, vocab].
@@ -335,7 +336,9 @@ class ModelRunner:
         if self.workers is None:
             return self._execute(work, changes, placeholders)
         samples = any(seq.num_computed_tokens + n == seq.num_tokens for seq, n in work)
-        self.workers.start_step(self.model.tp, work, changes, placeholders, share_tokens=self.share_tokens and samples)
+        # the workers wait for rank 0's tokens only after a step that keeps them on the device (launch_sample)
+        share_tokens = self.share_tokens and keep_on_device and samples
+        self.workers.start_step(self.model.tp, work, changes, placeholders, share_tokens=share_tokens)
         try:
             return self._execute(work, changes, placeholders)
         except BaseException as e:

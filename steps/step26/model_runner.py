@@ -318,7 +318,7 @@ class ModelRunner:
         """A step of decodes only (each row its sequence's newest token), no larger than the largest graph."""
         return self.graphs is not None and len(plan.rows) <= self.graphs.sizes[-1] and plan.decodes_only
 
-    def execute(self, plan: SchedulerOutput, changes=None) -> torch.Tensor:
+    def execute(self, plan: SchedulerOutput, changes=None, keep_on_device: bool = False) -> torch.Tensor:
         """Run the step's plan in one forward: every (sequence, new tokens) side by side in one flat batch.
         A step of decodes replays its bucket's graph; any other step runs eagerly.
         -> the logits of each sequence's last new token, in the order of the rows: [S, vocab].
@@ -333,7 +333,8 @@ class ModelRunner:
                 changes = self.block_tables.changes(plan.rows)
         if self.workers is None:
             return self._execute(plan, changes)
-        share_tokens = self.share_tokens and bool(plan.sample_rows)
+        # the workers wait for rank 0's tokens only after a step that keeps them on the device (launch_sample)
+        share_tokens = self.share_tokens and keep_on_device and bool(plan.sample_rows)
         self.workers.start_step(self.model.tp, plan.rows, changes, plan.placeholders, share_tokens=share_tokens)
         try:
             return self._execute(plan, changes)
@@ -373,7 +374,7 @@ class ModelRunner:
         (launch_sample). -> the draw on its way to the host, which read_sampled reads (None: no row samples). The
         logits stay in the runner."""
         work, sample_rows = plan.rows, plan.sample_rows
-        logits = self.execute(plan)  # one row per scheduled sequence, in order
+        logits = self.execute(plan, keep_on_device=keep_on_device)  # one row per scheduled sequence, in order
         launched = None
         if sample_rows:
             with self.timers.phase("sample"):

@@ -358,7 +358,8 @@ class ModelRunner:
         """A step of decodes only (each row its sequence's newest token), no larger than the largest graph."""
         return self.graphs is not None and len(plan.rows) <= self.graphs.sizes[-1] and plan.decodes_only
 
-    def execute(self, plan: SchedulerOutput, changes=None, logits_rows: list[int] | None = None) -> torch.Tensor:
+    def execute(self, plan: SchedulerOutput, changes=None, logits_rows: list[int] | None = None,
+                keep_on_device: bool = False) -> torch.Tensor:
         """Run the step's plan in one forward: every (sequence, new tokens) side by side in one flat batch.
         A step of decodes replays its bucket's graph; any other step runs eagerly.
         -> the logits of each sequence's last new token, in the order of the rows: [S, vocab].
@@ -375,7 +376,8 @@ class ModelRunner:
                 changes = self.block_tables.changes(plan.rows)
         if self.workers is None:
             return self._execute(plan, changes, logits_rows)
-        share_tokens = self.share_tokens and bool(plan.sample_rows)
+        # the workers wait for rank 0's tokens only after a step that keeps them on the device (launch_sample)
+        share_tokens = self.share_tokens and keep_on_device and bool(plan.sample_rows)
         self.workers.start_step(self.model.tp, plan.rows, changes, plan.placeholders, share_tokens=share_tokens)
         try:
             return self._execute(plan, changes)
@@ -441,7 +443,7 @@ class ModelRunner:
                 first_row.append(len(logits_rows))
                 logits_rows += range(start, start + n) if i in drafts else [start + n - 1]
                 start += n
-        logits = self.execute(plan, logits_rows=logits_rows)  # in the order of the rows
+        logits = self.execute(plan, logits_rows=logits_rows, keep_on_device=keep_on_device)  # in the rows' order
         launched = verdicts = None
         if sample_rows:
             with self.timers.phase("sample"):
