@@ -70,7 +70,7 @@ def bench_gemv4(cfg, copy_gbs):
                        config=g4.choose_config4(m, n_out, k, silu))
             if m == 1:
                 row["exponent_trick_us"] = graph_us([lambda w=w: launch(w, dict(row["config"], EXPONENT_TRICK=True))
-                                                        for w in ws4])
+                                                     for w in ws4])
                 best = None
                 for c in SWEEP:
                     c = dict(c, BLOCK_M=1)
