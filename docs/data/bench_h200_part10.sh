@@ -15,6 +15,7 @@
 #                                                        batching on the same model
 # Carry .cache/tokenizers (the random models need the tokenizer). Files are named after the card (h200_ or h100_).
 out=${1:?output folder}
+mkdir -p "$out"
 what=${2:?tests, kernels, chat, nano or moe}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LLM_STEPS_CACHE=$PWD/.cache
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H200 && echo h200 || echo h100)
