@@ -257,7 +257,7 @@ class LLM:
         return handed_out + self._step(partial)
 
     def _step(self, partial: bool = False) -> list[RequestOutput]:
-        if self.async_scheduling and not self.scheduler.num_suspects:  # step23's suspects run in synchronous steps
+        if self.async_scheduling and not self.scheduler.num_suspects:  # requests put back (suspects) run in sync
             return self._step_async(partial)
         timer = self.timers.phase
         with timer("schedule"):

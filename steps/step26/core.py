@@ -152,7 +152,7 @@ class EngineCore:
     def step(self, partial: bool = False) -> list[RequestOutput]:
         """One iteration (the overlapped one, _step_async, where it may): -> the requests it finished, and with
         partial=True also each request that got a token and goes on. An idle core returns []."""
-        if self.async_scheduling and not self.scheduler.num_suspects:  # step23's suspects run in synchronous steps
+        if self.async_scheduling and not self.scheduler.num_suspects:  # requests put back (suspects) run in sync
             return self._step_async(partial)
         return self._step_sync(partial)
 

@@ -178,7 +178,7 @@ class EngineCore:
             except BaseException:  # a read that fails fails its requests as one step
                 self._fail_step(step_n.seqs)
                 raise
-        if self.async_scheduling and not drafting and not self.scheduler.num_suspects:  # step23's suspects: in sync
+        if self.async_scheduling and not drafting and not self.scheduler.num_suspects:  # requests put back run in sync
             return self._step_async(partial)
         return self._step_sync(partial, drafting)
 
