@@ -39,15 +39,18 @@ def device_error() -> RuntimeError:
 
 def inject_step_faults(engine) -> None:
     """STEP_FAILURE_SEED and DEVICE_ERROR_SEED: the model runner's execute raises for a step that serves such a
-    request after its first token. execute takes the step's plan (a SchedulerOutput, its rows [(sequence, n)]) from
-    step26 on, the rows themselves before."""
+    request after its first token. execute takes the step's plan from step26 on (a SchedulerOutput, which names its
+    rows' requests by id: the engine's scheduler holds them), the rows [(sequence, n)] themselves before."""
     execute = engine.runner.execute
 
     def failing_execute(plan, *args, **kwargs):
-        work = getattr(plan, "rows", plan)
-        if any(seq.params.seed == STEP_FAILURE_SEED and seq.output_ids for seq, _ in work):
+        if hasattr(plan, "request_ids"):
+            seqs = [engine.scheduler.requests[request_id] for request_id in plan.request_ids]
+        else:
+            seqs = [seq for seq, _ in plan]
+        if any(seq.params.seed == STEP_FAILURE_SEED and seq.output_ids for seq in seqs):
             raise RuntimeError("injected failure")
-        if any(seq.params.seed == DEVICE_ERROR_SEED and seq.output_ids for seq, _ in work):
+        if any(seq.params.seed == DEVICE_ERROR_SEED and seq.output_ids for seq in seqs):
             raise device_error()
         return execute(plan, *args, **kwargs)
 

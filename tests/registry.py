@@ -46,6 +46,8 @@ The features (the step that brings each one in is where its lesson is tested in 
     overlap_scheduling  async_scheduling: step N + 1 launched before step N's tokens are read (PENDING places, the
                         device's last_token table), stats["discarded_tokens"]
     engine_core_process engine_core.py: AsyncLLM's EngineCore in its own process over ZMQ + msgpack, outputs as deltas
+    scheduler_output    the step's plan (scheduler.py's SchedulerOutput) names its rows' requests by id and holds their
+                        values: the runner's block tables, draws and CUDA graphs read it, never a request
     speculative_decoding speculative_config: n-gram drafts verified as a chunk of k + 1, exact (speculative.py)
     fused_projections   ops.linear: each projection with its RMSNorm, SiLU * up or residual add; kernels/gemv.py's
                         GEMV at one row on CUDA; ops.qk_norm_rope_write stores K and V in the q/k norm + RoPE kernel
@@ -131,7 +133,7 @@ step("step22", 7, adds=("tensor_parallel",))
 step("step23", 8, adds=("async_engine",))
 step("step24", 8, adds=("openai_server",))
 step("step25", 9, adds=("overlap_scheduling",))
-step("step26", 9, adds=("engine_core_process",))
+step("step26", 9, adds=("engine_core_process", "scheduler_output"))
 step("step27", 9, adds=("speculative_decoding",))
 step("step28", 10, adds=("fused_projections",))
 step("step29", 10, adds=("int4_weights",))

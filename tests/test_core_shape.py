@@ -138,3 +138,21 @@ def test_the_core_gets_tokens_from_the_runner_never_logits(step):
                     and isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == "self.runner"
                     and node.func.attr in logits_level})
     assert not calls, f"steps/{step}/core.py calls the runner's {calls}: it would hold logits"
+
+
+RUNNER_SIDE = ("model_runner.py", "attention.py", "cuda_graphs.py", "worker.py", "parallel.py")
+
+
+@pytest.mark.parametrize("step", having("scheduler_output"))
+def test_the_runner_side_reads_the_plan_not_the_requests(step):
+    """The runner, its attention metadata, its CUDA graphs and the tensor-parallel workers import nothing of
+    sequence.py: what they know of a request is what the step's plan (SchedulerOutput) holds, which a worker gets
+    serialised whole (no stand-in for a sequence is rebuilt there)."""
+    for name in RUNNER_SIDE:
+        tree = module(step, name)
+        relative = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level
+                    and (node.module == "sequence" or any(a.name == "sequence" for a in node.names))]
+        assert not relative, f"steps/{step}/{name} imports sequence.py (line {relative})"
+        stand_ins = [node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                     and node.name in ("StepRow", "NewTokens")]
+        assert not stand_ins, f"steps/{step}/{name} defines {stand_ins}: a worker's stand-in for a sequence"

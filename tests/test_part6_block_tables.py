@@ -37,39 +37,52 @@ class FakeSeq:
         self.request_id, self.block_table = request_id, list(block_table)
 
 
-def step_rows(tables, seqs):
+def step_rows(step, tables, seqs):
     """One step's block-table update, as the runner does it -> (its rows, the entries written into the rows tensor,
     counted as the operators run: RowWrites)."""
     with RowWrites(tables) as writes:
-        rows = tables.write(tables.changes([(seq, 1) for seq in seqs]))
+        rows = tables.write(changes(step, tables, seqs))
     return rows, writes.entries
+
+
+def changes(step, tables, seqs):
+    """BlockTables.changes for a step of these sequences: from the plan's request ids and tables where the runner
+    reads a plan (scheduler_output), from the scheduled [(sequence, n)] before."""
+    if has(step, "scheduler_output"):
+        return tables.changes([seq.request_id for seq in seqs], [seq.block_table for seq in seqs])
+    return tables.changes([(seq, 1) for seq in seqs])
+
+
+def release(step, tables, seq):
+    """The block manager's on_release: by request id where the runner reads a plan, the request itself before."""
+    tables.release(seq.request_id if has(step, "scheduler_output") else seq)
 
 
 @pytest.mark.parametrize("step", having("block_table_rows"))
 def test_rows_take_only_the_new_blocks_and_are_reused(step):
     tables = block_tables(step)
     a, b = FakeSeq("a", [7, 2, 9]), FakeSeq("b", [4])
-    rows, written = step_rows(tables, [a, b])
+    rows, written = step_rows(step, tables, [a, b])
     assert rows == [0, 1] and written == 4  # the first time: whole tables
     assert tables.held() == {0: [7, 2, 9], 1: [4]}
-    assert step_rows(tables, [b, a]) == ([1, 0], 0)  # nothing new: nothing written, the rows in the work's order
+    assert step_rows(step, tables, [b, a]) == ([1, 0], 0)  # nothing new: nothing written, the rows in the work's order
     a.block_table.append(5)
-    assert step_rows(tables, [a, b]) == ([0, 1], 1)  # one new block: one entry
+    assert step_rows(step, tables, [a, b]) == ([0, 1], 1)  # one new block: one entry
     assert tables.held() == {0: [7, 2, 9, 5], 1: [4]}
-    tables.release(a)  # its blocks went back to the pool
-    tables.release(FakeSeq("never-scheduled", []))  # a waiting request that had no row: nothing to give back
+    release(step, tables, a)  # its blocks went back to the pool
+    release(step, tables, FakeSeq("never-scheduled", []))  # a waiting request that had no row: nothing to give back
     c = FakeSeq("c", [3])
-    rows, written = step_rows(tables, [b, c])
+    rows, written = step_rows(step, tables, [b, c])
     assert rows == [1, 0] and written == 1  # c takes a's row, from its first entry
     assert tables.held() == {0: [3], 1: [4]}  # a's old entries past c's one block are stale, and not c's table
     assert tables.rows[0, :4].tolist()[1:] == [2, 9, 5]  # (still there: never read, never cleared)
     assert tables.gather([1, 0]).tolist() == [[4], [3]]  # cut to the widest row of the step
     b.block_table += [8, 6]
-    assert step_rows(tables, [b, c]) == ([1, 0], 2)
+    assert step_rows(step, tables, [b, c]) == ([1, 0], 2)
     gathered = tables.gather([0, 1]).tolist()
     assert gathered[1] == [4, 8, 6] and gathered[0][0] == 3 and len(gathered[0]) == 3  # past c's one: stale
     with pytest.raises(ValueError, match="wider than the rows' 6"):
-        step_rows(tables, [FakeSeq("wide", range(7))])
+        step_rows(step, tables, [FakeSeq("wide", range(7))])
 
 
 @pytest.mark.parametrize("step", having("block_table_rows"))
@@ -79,10 +92,10 @@ def test_gather_and_slots_equal_what_the_lists_give(step):
     rng = random.Random(18)
     tables = block_tables(step, max_rows=6, max_blocks=10)
     seqs = [FakeSeq(str(i), rng.sample(range(50), rng.randrange(1, 10))) for i in range(6)]
-    step_rows(tables, seqs[:3])
-    tables.release(seqs[1])
+    step_rows(step, tables, seqs[:3])
+    release(step, tables, seqs[1])
     order = [seqs[4], seqs[0], seqs[5], seqs[2], seqs[3]]  # rows 1, 0, 3, 2, 4: not in the work's order
-    rows, _ = step_rows(tables, order)
+    rows, _ = step_rows(step, tables, order)
     block_size = 4
     starts = [rng.randrange(0, len(s.block_table) * block_size) for s in order]
     lens = [rng.randrange(1, len(s.block_table) * block_size - p + 1) for s, p in zip(order, starts)]
@@ -100,12 +113,12 @@ def test_gather_and_slots_equal_what_the_lists_give(step):
 def test_more_sequences_than_rows_and_a_release_not_told_are_errors(step):
     tables = block_tables(step, max_rows=2)
     a = FakeSeq("a", [1, 4])
-    step_rows(tables, [a, FakeSeq("b", [2])])
+    step_rows(step, tables, [a, FakeSeq("b", [2])])
     with pytest.raises(RuntimeError, match="no free block-table row: all 2 are held"):
-        step_rows(tables, [FakeSeq("c", [3])])
+        step_rows(step, tables, [FakeSeq("c", [3])])
     a.block_table = [5]  # given back and begun again (a preemption) without the rows being told
     with pytest.raises(RuntimeError, match="request a: a block table of 1 blocks in a row holding 2"):
-        step_rows(tables, [a])
+        step_rows(step, tables, [a])
 
 
 # ---- the engine -------------------------------------------------------------------------------------------

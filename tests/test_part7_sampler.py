@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import copies_param
-from registry import having, lesson_and_copies
+from registry import has, having, lesson_and_copies
 from test_part6 import DEVICE
 
 pytest.importorskip("triton")
@@ -65,7 +65,11 @@ def test_fused_draw_gives_the_torch_paths_tokens_and_logprobs(step, lesson):
     assert alone.item() == token[3].item()
 
 
-def seqs_for(params, n):
+def seqs_for(params, n, step):
+    """n rows to sample, each with its params, seed and output index: as the plan's sampling holds them where the
+    runner reads a plan (scheduler_output), else as the sequences the runner reads."""
+    if has(step, "scheduler_output"):
+        return [(params[i % len(params)], 7919 * i + 1, 3 * i) for i in range(n)]
     return [SimpleNamespace(params=params[i % len(params)], seed=7919 * i + 1, output_ids=[0] * (3 * i),
                             num_output_placeholders=0) for i in range(n)]
 
@@ -86,17 +90,17 @@ def test_the_runner_takes_the_kernel_only_without_filters(step):
              SamplingParams(temperature=1.2, max_tokens=8, logprobs=3, seed=5)]
     logits = torch.randn(6, 700, generator=torch.Generator().manual_seed(1)).to(device) * 3
     fused, torch_path = runner(True), runner(False)
-    got = fused.sample(seqs_for(plain, 6), logits)
-    want = torch_path.sample(seqs_for(plain, 6), logits)
+    got = fused.sample(seqs_for(plain, 6, step), logits)
+    want = torch_path.sample(seqs_for(plain, 6, step), logits)
     assert got[0] == want[0]
     torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want[1]), rtol=1e-5, atol=1e-5)
     assert [t and sorted(t) for t in got[2]] == [t and sorted(t) for t in want[2]]
     assert fused.draws == {"fused": 1, "torch": 0} and torch_path.draws == {"fused": 0, "torch": 1}
     filtered = plain + [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8)]
-    fused.sample(seqs_for(filtered, 8), torch.randn(8, 700).to(device))
+    fused.sample(seqs_for(filtered, 8, step), torch.randn(8, 700).to(device))
     assert fused.draws == {"fused": 1, "torch": 1}  # one row asked for top-p: the torch path for the step
     greedy = [SamplingParams(temperature=0, max_tokens=8)]
-    assert fused.sample(seqs_for(greedy, 4), logits[:4])[0] == logits[:4].argmax(-1).tolist()
+    assert fused.sample(seqs_for(greedy, 4, step), logits[:4])[0] == logits[:4].argmax(-1).tolist()
     if step in having("fused_projections"):  # step28: greedy only takes the kernel too (its first maximum)
         assert fused.draws == {"fused": 2, "torch": 1}
     else:

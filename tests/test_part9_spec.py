@@ -133,17 +133,16 @@ def test_verify_keeps_the_target_distribution():
     """One place's target distribution p over 6 tokens and a fixed draft x, through the model runner's verify: over
     many seeds the emitted token follows p (x accepted with probability p(x), else a token drawn from p without x). A
     rule that always accepts emits x only."""
-    from types import SimpleNamespace
-
     runner = spec_llm(TINY).runner
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -30.0, -30.0]])  # two tokens of ~0 probability
     p = torch.softmax(logits[0], -1)
     draft = 1
     counts = collections.Counter()
     n = 4000
-    seqs = [SimpleNamespace(params=sampling(temperature=1.0), seed=seed, output_ids=[0] * 5) for seed in range(n)]
+    # each request's (params, seed, output index of its draft), as the step's plan holds them
+    requests = [(sampling(temperature=1.0), seed, 5) for seed in range(n)]
     rows = logits.repeat(2 * n, 1)  # each request: its draft's place, then the bonus place
-    for verdict in runner.verify(rows, list(range(2 * n)), seqs, [[draft]] * n):
+    for verdict in runner.verify(rows, list(range(2 * n)), requests, [[draft]] * n):
         counts[verdict.tokens[0]] += 1
     observed = [counts[t] for t in range(6)]
     expected = [n * float(p[t]) for t in range(6)]

@@ -99,8 +99,9 @@ class EngineCore:
         self.stats.update(discarded_tokens=0, overlapped_launches=0)
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
         # a request's released blocks free its block-table row in the runner
+        tables = self.runner.block_tables
         self.block_manager = BlockManager(self.memory["num_blocks"], config.block_size, config.enable_prefix_caching,
-                                          on_release=self.runner.block_tables.release)
+                                          on_release=lambda r: tables.release(r.request_id))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
 
     def shutdown(self) -> None:

@@ -88,22 +88,20 @@ class StaticDecodeInputs:
         self.tile_first = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if pin else None  # recorded behind each fill's copies
 
-    def fill(self, seqs: list, tables, rows: list[int], size: int, block_size: int, scratch_block: int,
-             placeholders=()) -> None:
-        """The decodes of `seqs` (each: its newest token, the one without K/V yet; rows: their rows in the runner's
-        BlockTables `tables`) into rows 0 .. len(seqs) - 1, padding rows up to `size`: token 0 at position 0, its
-        K/V written to the scratch block's first slot, a context of that one token (the block table row: the
-        scratch block). The tables are the persistent rows, gathered; then the two copies, queued.
-        placeholders: the indices of the sequences whose newest token is a placeholder (not in token_ids): 0 here,
-        its id written on the device afterwards (the runner's fill_placeholders)."""
-        num, pad = len(seqs), size - len(seqs)
+    def fill(self, plan, tables, rows: list[int], size: int, block_size: int, scratch_block: int) -> None:
+        """The decodes of the plan (scheduler.py's SchedulerOutput; each row: its newest token, the one without K/V
+        yet; rows: their rows in the runner's BlockTables `tables`) into rows 0 .. S - 1, padding rows up to `size`:
+        token 0 at position 0, its K/V written to the scratch block's first slot, a context of that one token (the
+        block table row: the scratch block). The tables are the persistent rows, gathered; then the two copies,
+        queued. The plan's placeholders (a newest token the host does not know): 0 here, its id written on the
+        device afterwards (the runner's fill_placeholders)."""
+        num, pad = plan.num_rows, size - plan.num_rows
         if not 0 < num <= size <= self.max_seqs:
             raise ValueError(f"fill: {num} sequences in a batch of {size} (at most {self.max_seqs})")
         if self.copied is not None:  # wait until the last fill's copies have read the staging
             self.copied.synchronize()
-        positions = [seq.num_computed_tokens for seq in seqs]
-        late = set(placeholders)
-        ids = [0 if i in late else seq.token_ids[p] for i, (seq, p) in enumerate(zip(seqs, positions))]
+        positions, late = plan.starts, set(plan.placeholders)
+        ids = [0 if i in late else known[0] for i, known in enumerate(plan.token_ids)]
         self.host_longs[:2, :size] = torch.tensor([ids + [0] * pad, positions + [0] * pad])
         self.host_longs[2, :num] = tables.slots(rows, self.host_longs[1, :num], [1] * num, block_size)
         self.host_longs[2, num:size] = scratch_block * block_size
@@ -180,11 +178,11 @@ class DecodeGraphs:
         inputs.seq_lens.fill_(1)
         inputs.block_tables[:size, 0] = self.scratch_block
 
-    def prepare(self, seqs: list, tables, rows: list[int], placeholders=()) -> int:
-        """Pad `seqs` (len(seqs) <= the largest size; rows: their rows in the BlockTables `tables`) to its bucket and
-        fill the static buffers (placeholders: as fill's). -> the bucket."""
-        size = padded_size(len(seqs), self.sizes)
-        self.inputs.fill(seqs, tables, rows, size, self.block_size, self.scratch_block, placeholders)
+    def prepare(self, plan, tables, rows: list[int]) -> int:
+        """Pad the plan's rows (no more than the largest size; rows: theirs in the BlockTables `tables`) to their
+        bucket and fill the static buffers. -> the bucket."""
+        size = padded_size(plan.num_rows, self.sizes)
+        self.inputs.fill(plan, tables, rows, size, self.block_size, self.scratch_block)
         return size
 
     def launch(self, size: int, num_rows: int) -> torch.Tensor:

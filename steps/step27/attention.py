@@ -47,16 +47,16 @@ class TorchAttention:
         self.config, self.device = config, device
 
     def metadata(self, plan, slots: torch.Tensor, block_size: int, tables=None, rows=None) -> AttentionMetadata:
-        """Every sequence loops: its context slots and causal mask, computed once here for every layer (from its
-        block table: the loop reads each context whole anyway, so it needs no rows)."""
-        return self.loop_metadata(plan, slots, block_size, looped=len(plan.rows))
+        """Every row loops: its context slots and causal mask, computed once here for every layer (from its block
+        table, read whole from the runner's rows: the loop reads each context whole anyway)."""
+        return self.loop_metadata(plan, slots, block_size, tables, rows, looped=plan.num_rows)
 
-    def loop_metadata(self, plan, slots: torch.Tensor, block_size: int, looped: int) -> AttentionMetadata:
+    def loop_metadata(self, plan, slots: torch.Tensor, block_size: int, tables, rows, looped: int) -> AttentionMetadata:
         """The metadata of the flat batch (cumulative query lengths, the slot mapping [N], on the device), with the
         context slots and causal masks of the plan's first `looped` rows: those that attend in the loop."""
-        rows = list(zip(plan.rows, plan.starts, plan.query_lens))[:looped]
-        context = [context_slots(seq.block_table, start + n, block_size, self.device) for (seq, _), start, n in rows]
-        masks = [causal_mask(start, n, self.device) for _, start, n in rows]  # None: decodes
+        looping = list(zip(rows, plan.starts, plan.query_lens))[:looped]
+        context = [context_slots(tables.table(row), start + n, block_size, self.device) for row, start, n in looping]
+        masks = [causal_mask(start, n, self.device) for _, start, n in looping]  # None: decodes
         return AttentionMetadata(cumulative(plan.query_lens), slots, context, masks)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
@@ -104,13 +104,13 @@ class TritonAttention(TorchAttention):
         from .kernels.attention import tile_map, tile_rows  # imported with the kernels, only when they run
         from .kernels.decode import choose_num_splits
 
-        attn = self.loop_metadata(plan, slots, block_size, looped=0)
+        attn = self.loop_metadata(plan, slots, block_size, tables, rows, looped=0)
         tables, cu, lens = self.kernel_tensors(plan, tables, rows)
         if plan.decodes_only:  # decodes only: split long contexts if that fills the GPU better
-            longest = max(seq.num_tokens for seq, _ in plan.rows)
-            splits = choose_num_splits(len(plan.rows), self.config.num_kv_heads, longest, **self.split_rule)
+            longest = max(start + 1 for start in plan.starts)  # each row's context, its new token's included
+            splits = choose_num_splits(plan.num_rows, self.config.num_kv_heads, longest, **self.split_rule)
             if splits > 1:
-                attn.decode = DecodeMetadata(len(plan.rows), tables, lens, splits)
+                attn.decode = DecodeMetadata(plan.num_rows, tables, lens, splits)
                 return attn
         group = self.config.num_heads // self.config.num_kv_heads
         max_query_len = max(plan.query_lens)

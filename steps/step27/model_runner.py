@@ -1,10 +1,11 @@
 """The model runner: the engine's one door to the model.
 
 It owns the model and the KV cache (allocates it, sized from the device's memory), turns the step's plan (the
-scheduler's SchedulerOutput: the scheduled sequences, which rows are decodes, which sample) into the tensors the
-model reads (input ids, positions, the slot mapping, and one AttentionMetadata that the model's attention backend
-builds: attention.py), runs the forward, and samples the next tokens. The scheduler and the block manager never
-touch a tensor; the model never sees a sequence.
+scheduler's SchedulerOutput: each row's request id, new tokens and block table, which rows are decodes, which sample
+and how) into the tensors the model reads (input ids, positions, the slot mapping, and one AttentionMetadata that the
+model's attention backend builds: attention.py), runs the forward, and samples the next tokens. The scheduler and the
+block manager never touch a tensor; the runner reads the plan and nothing else of a request; the model never sees a
+sequence.
 
 The block tables live in BlockTables, one persistent row per running sequence (max_num_seqs rows, as wide
 as the widest table can be: max_table_blocks). A step writes into the rows only the blocks appended since the
@@ -23,7 +24,7 @@ the copy of the sampled tokens (and their logprobs) back to the host (read_back)
 
 Tensor parallelism (parallel.py). Every rank has a model runner of its own, with its shard of the model and
 its KV heads' cache; rank 0's is the engine's, and before each step it hands the step to the workers
-(parallel.py's Workers.start_step: the inputs broadcast), which run the same execute on them. On CUDA the ranks
+(worker.py's Workers.start_step: the plan broadcast), which run the same execute on it. On CUDA the ranks
 agree on the pool's size (the smallest any rank can hold), so a block id means the same slots on every rank. Rank 0
 decides each sequence's block-table row and its new blocks (BlockTables.changes) and sends them with the step; every
 rank writes them into its own rows, so every rank's rows hold the same tables.
@@ -52,7 +53,6 @@ from .model import CausalLM, KVCache, to_device  # noqa: F401  (to_device: impor
 from .parallel import WorkerError
 from .sampler import sample_batch, wants_filters
 from .scheduler import SchedulerOutput
-from .sequence import Sequence
 
 CPU_DEFAULT_KV_TOKENS = 32768  # on the CPU, max_kv_tokens sizes the cache (default 32768 tokens)
 
@@ -105,21 +105,22 @@ class BlockTables:
         self.row_of: dict[str, int] = {}  # request id -> its row, while the request holds blocks
         self.free_rows = list(range(max_rows - 1, -1, -1))  # pop() takes the lowest row first
 
-    def changes(self, work) -> list[tuple[int, int, list[int]]]:
-        """The scheduled [(sequence, new tokens)] -> for each, (its row, how many blocks the row holds already, the
-        blocks its table got since). A sequence seen for the first time takes a free row, and its whole table."""
+    def changes(self, request_ids: list[str], block_tables: list[list[int]]) -> list[tuple[int, int, list[int]]]:
+        """The step's rows (each request's id and block table, as the plan holds them) -> for each, (its row, how many
+        blocks the row holds already, the blocks its table got since). A request seen for the first time takes a
+        free row, and its whole table."""
         out = []
-        for seq, _ in work:
-            row = self.row_of.get(seq.request_id)
+        for request_id, table in zip(request_ids, block_tables):
+            row = self.row_of.get(request_id)
             if row is None:
                 if not self.free_rows:  # more sequences hold blocks than the scheduler may run: a lost release
                     raise RuntimeError(f"no free block-table row: all {self.max_rows} are held")
-                row = self.row_of[seq.request_id] = self.free_rows.pop()
+                row = self.row_of[request_id] = self.free_rows.pop()
             start = self.lengths[row]
-            if len(seq.block_table) < start:  # its table was given back and begun again: a release not told here
-                raise RuntimeError(f"request {seq.request_id}: a block table of {len(seq.block_table)} blocks in a row "
+            if len(table) < start:  # its table was given back and begun again: a release not told here
+                raise RuntimeError(f"request {request_id}: a block table of {len(table)} blocks in a row "
                                    f"holding {start} (the rows were not told of its release)")
-            out.append((row, start, seq.block_table[start:]))
+            out.append((row, start, table[start:]))
         return out
 
     def write(self, changes) -> list[int]:
@@ -139,19 +140,23 @@ class BlockTables:
             self.rows[torch.tensor(rows), torch.tensor(columns)] = torch.tensor(blocks, dtype=torch.int32)
         return [row for row, _, _ in changes]
 
-    def release(self, request) -> None:
-        """request's blocks went back to the pool: its row (if it had one) is free for the next sequence."""
-        row = self.row_of.pop(request.request_id, None)
+    def release(self, request_id: str) -> None:
+        """The request's blocks went back to the pool: its row (if it had one) is free for the next sequence."""
+        row = self.row_of.pop(request_id, None)
         if row is not None:
             self.lengths[row] = 0
             self.free_rows.append(row)
 
-    def trim(self, request) -> None:
-        """The request's table was cut back (block_manager.trim, after rejected drafts): its row holds no more
-        than the table now, so the blocks it gets next are written from there."""
-        row = self.row_of.get(request.request_id)
+    def trim(self, request_id: str, num_blocks: int) -> None:
+        """The request's table was cut back to num_blocks (block_manager.trim, after rejected drafts): its row holds
+        no more than that now, so the blocks it gets next are written from there."""
+        row = self.row_of.get(request_id)
         if row is not None:
-            self.lengths[row] = min(self.lengths[row], len(request.block_table))
+            self.lengths[row] = min(self.lengths[row], num_blocks)
+
+    def table(self, row: int) -> list[int]:
+        """The row's whole table, as a list (the torch backend's loop reads each context whole)."""
+        return self.rows[row, :self.lengths[row]].tolist()
 
     def held(self) -> dict[int, list[int]]:
         """{row: the blocks it holds} for every row that holds any, as lists (to look at, not for a step's work)."""
@@ -308,10 +313,10 @@ class ModelRunner:
         self.model.kv_cache = KVCache(self.model.config, num_blocks, block_size, self.device, self.kv_spec)
         # One prompt of num_tokens tokens, as the attention backend reads a sequence: its metadata is built by the
         # backend that will run (the kernels' on the triton path), through the same prepare as every step.
-        prompt = SimpleNamespace(request_id="profile", token_ids=[0] * num_tokens, num_computed_tokens=0,
-                                 num_tokens=num_tokens, block_table=list(range(num_blocks)))
+        prompt = SchedulerOutput.of(["profile"], [0], [num_tokens], [num_tokens], [[0] * num_tokens], [],
+                                    block_tables=[list(range(num_blocks))])
         self.block_tables = BlockTables(1, num_blocks, self.device)  # its one row, for this forward only
-        self.model.forward(*self.prepare(SchedulerOutput.build([(prompt, num_tokens)]), block_size))
+        self.model.forward(*self.prepare(prompt, block_size))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.model.kv_cache = self.block_tables = None
@@ -320,22 +325,20 @@ class ModelRunner:
 
     # ---- one engine step ----------------------------------------------------------------------------------
     def prepare(self, plan: SchedulerOutput, block_size: int | None = None, changes=None):
-        """The step's plan, every scheduled (sequence, number of new tokens) -> one flat batch: input ids and
-        positions [N], and the attention metadata (built by the model's attention backend, attention.py). A decode
-        is a sequence with one new token; a prefill chunk has n. changes: the rows' block-table changes (None: found
-        here). A row among the plan's placeholders has its last input id filled on the device."""
+        """The step's plan, every row's new tokens -> one flat batch: input ids and positions [N], and the attention
+        metadata (built by the model's attention backend, attention.py). A decode is a row with one new token; a
+        prefill chunk has n. changes: the rows' block-table changes (None: found here). A row among the plan's
+        placeholders has its last input id filled on the device."""
         block_size = block_size or self.kv_cache.data.shape[3]
         tables = self.block_tables
-        rows = tables.write(tables.changes(plan.rows) if changes is None else changes)  # each row: its whole table
+        rows = tables.write(self.changes(plan) if changes is None else changes)  # each row: its whole table
         late = set(plan.placeholders)
         ids, positions, fill = [], [], []
-        for i, ((seq, n), start, row) in enumerate(zip(plan.rows, plan.starts, rows)):
-            if i in late:  # its last input is not in token_ids: 0 here, then last_token's, on the device
-                ids += seq.token_ids[start:start + n - 1]
+        for i, (known, start, n, row) in enumerate(zip(plan.token_ids, plan.starts, plan.query_lens, rows)):
+            ids += known
+            if i in late:  # its last input is not known to the host: 0 here, then last_token's, on the device
                 fill.append((len(ids), row))
                 ids.append(0)
-            else:
-                ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
         positions = torch.tensor(positions)  # [N]
         slots = tables.slots(rows, positions, plan.query_lens, block_size)  # [N]: where the K/V write goes
@@ -352,9 +355,13 @@ class ModelRunner:
         index = to_device(torch.tensor(fill).T.contiguous(), self.device)  # [2, P]: flat indices, rows
         input_ids[index[0]] = self.last_token[index[1]]
 
+    def changes(self, plan: SchedulerOutput) -> list[tuple[int, int, list[int]]]:
+        """The plan's rows' block-table changes (BlockTables.changes), decided by rank 0 (or a runner alone)."""
+        return self.block_tables.changes(plan.request_ids, plan.block_tables)
+
     def graph_can_run(self, plan: SchedulerOutput) -> bool:
-        """A step of decodes only (each row its sequence's newest token), no larger than the largest graph."""
-        return self.graphs is not None and len(plan.rows) <= self.graphs.sizes[-1] and plan.decodes_only
+        """A step of decodes only (each row its request's newest token), no larger than the largest graph."""
+        return self.graphs is not None and plan.num_rows <= self.graphs.sizes[-1] and plan.decodes_only
 
     def execute(self, plan: SchedulerOutput, changes=None, logits_rows: list[int] | None = None,
                 keep_on_device: bool = False) -> torch.Tensor:
@@ -371,12 +378,12 @@ class ModelRunner:
             self.stats["overlapped_launches"] += 1  # whose results the host has not read: this one overlaps
         if changes is None:  # rank 0 (or alone) decides the rows; a worker is given them
             with self.timers.phase("prepare inputs"):
-                changes = self.block_tables.changes(plan.rows)
+                changes = self.changes(plan)
         if self.workers is None:
             return self._execute(plan, changes, logits_rows)
         # the workers wait for rank 0's tokens only after a step that keeps them on the device (launch_sample)
         share_tokens = self.share_tokens and keep_on_device and bool(plan.sample_rows)
-        self.workers.start_step(self.model.tp, plan.rows, changes, plan.placeholders, share_tokens=share_tokens)
+        self.workers.start_step(self.model.tp, plan, changes, share_tokens=share_tokens)
         try:
             return self._execute(plan, changes)
         except BaseException as e:
@@ -390,14 +397,14 @@ class ModelRunner:
             raise
 
     def _execute(self, plan: SchedulerOutput, changes, logits_rows=None) -> torch.Tensor:
-        placeholders, num_rows = plan.placeholders, len(plan.rows)
+        placeholders, num_rows = plan.placeholders, plan.num_rows
         if logits_rows is not None and self.verify_graphs is not None and self.verify_graphs.can_run(plan):
             return self._replay_verify(plan, changes, logits_rows)
         if logits_rows is None and self.graph_can_run(plan):
             with self.timers.phase("prepare inputs"):
                 rows = self.block_tables.write(changes)  # the new blocks, in place
-                size = self.graphs.prepare([seq for seq, _ in plan.rows], self.block_tables, rows, placeholders)
-                if placeholders:  # row i of the static inputs is sequence i
+                size = self.graphs.prepare(plan, self.block_tables, rows)
+                if placeholders:  # row i of the static inputs is the plan's row i
                     self.fill_placeholders(self.graphs.inputs.input_ids, [(i, rows[i]) for i in placeholders])
             with self.timers.phase("forward"):
                 self.stats["forwards"] += 1
@@ -414,16 +421,16 @@ class ModelRunner:
     def _replay_verify(self, plan: SchedulerOutput, changes, logits_rows: list[int]) -> torch.Tensor:
         """A verify step (drafting rows and decodes, no prompt chunk) in its bucket's graph: every row padded
         to k + 1 tokens (cuda_graphs.py's VerifyGraphs); -> the logits of logits_rows, picked from the graph's."""
-        graphs, work = self.verify_graphs, plan.rows
+        graphs = self.verify_graphs
         with self.timers.phase("prepare inputs"):
             rows = self.block_tables.write(changes)
-            size = graphs.prepare(work, self.block_tables, rows)
-            picked = to_device(torch.tensor(graphs.graph_rows(work, logits_rows)), self.device)
+            size = graphs.prepare(plan, self.block_tables, rows)
+            picked = to_device(torch.tensor(graphs.graph_rows(plan.query_lens, logits_rows)), self.device)
         with self.timers.phase("forward"):
             self.stats["forwards"] += 1
             self.stats["graph_replays" if size in graphs.graphs else "eager_forwards"] += 1
             self.stats["verify_replays"] += size in graphs.graphs
-            self.stats["padded_rows"] += size - len(work)
+            self.stats["padded_rows"] += size - plan.num_rows
             return graphs.launch(size, size * graphs.query_len)[picked]
 
     def execute_model(self, plan: SchedulerOutput, keep_on_device: bool = False):
@@ -433,11 +440,11 @@ class ModelRunner:
         sequence's logits are taken at its newest token and at every draft, one row else (logits_rows). -> (the draw
         on its way to the host, which read_sampled reads, or None when no row samples; the verdicts in the order of
         the drafting rows, or None). The logits stay in the runner."""
-        work, sample_rows = plan.rows, plan.sample_rows
-        drafts, logits_rows, first_row = plan.drafts, None, list(range(len(work)))  # the logits' first row of each
+        sample_rows, drafts = plan.sample_rows, plan.drafts
+        logits_rows, first_row = None, list(range(plan.num_rows))  # the logits' first row of each
         if drafts:
             logits_rows, first_row, start = [], [], 0
-            for i, (seq, n) in enumerate(work):
+            for i, n in enumerate(plan.query_lens):
                 first_row.append(len(logits_rows))
                 logits_rows += range(start, start + n) if i in drafts else [start + n - 1]
                 start += n
@@ -448,29 +455,32 @@ class ModelRunner:
                 plain = logits
                 if len(sample_rows) < len(logits):  # the index goes to the device without a wait (pinned)
                     plain = logits[to_device(torch.tensor([first_row[i] for i in sample_rows]), logits.device)]
-            launched = self.launch_sample([work[i][0] for i in sample_rows], plain, keep_on_device=keep_on_device)
+            launched = self.launch_sample([plan.sampling[i] for i in sample_rows], plain,
+                                          [plan.request_ids[i] for i in sample_rows] if keep_on_device else None)
         if drafts:
             index = sorted(drafts)
             places = [first_row[i] + j for i in index for j in range(len(drafts[i]) + 1)]  # their rows of logits
-            verdicts = self.verify(logits, places, [work[i][0] for i in index], [drafts[i] for i in index])
+            verdicts = self.verify(logits, places, [plan.sampling[i] for i in index], [drafts[i] for i in index])
         return launched, verdicts
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float], list]:
-        """One sampler call for the batch: logits [B, vocab] -> (next token ids, their logprobs, and for each
-        sequence that asked for logprobs its top ones as {token: logprob}, else None). Everything is computed on
-        the device; read_back brings it to the host in the step's one wait. When some row samples, none asks for a
-        filter and the kernels run (CUDA, the triton backend), the draw and the chosen tokens' logprobs are one
-        kernel (kernels/sampling.py); else sampler.py's operators. Two halves: launch_sample, then read_sampled."""
-        return self.read_sampled(self.launch_sample(seqs, logits))
+    def sample(self, sampling: list[tuple], logits: torch.Tensor) -> tuple[list[int], list[float], list]:
+        """One sampler call for the batch: each row's (sampling params, seed, output index of its next token) as the
+        plan's sampling holds them, and logits [B, vocab] -> (next token ids, their logprobs, and for each row that
+        asked for logprobs its top ones as {token: logprob}, else None). Everything is computed on the device; read_back
+        brings it to the host in the step's one wait. When some row samples, none asks for a filter and the kernels run
+        (CUDA, the triton backend), the draw and the chosen tokens' logprobs are one kernel (kernels/sampling.py); else
+        sampler.py's operators. Two halves: launch_sample, then read_sampled."""
+        return self.read_sampled(self.launch_sample(sampling, logits))
 
-    def launch_sample(self, seqs: list[Sequence], logits: torch.Tensor, keep_on_device: bool = False):
+    def launch_sample(self, sampling: list[tuple], logits: torch.Tensor, kept_for: list[str] | None = None):
         """The first half of sample(): the sampling queued on the device and the copies of its results to the host
-        queued behind it, with no wait. keep_on_device: also write each sampled token into last_token at its
-        sequence's block-table row, for the next step's placeholders. -> what read_sampled reads."""
-        positions = [len(s.output_ids) + s.num_output_placeholders for s in seqs]  # those in flight too
-        return self.launch_draw(logits, [s.params for s in seqs], [s.seed for s in seqs], positions,
-                                last_token_rows=[self.block_tables.row_of[s.request_id] for s in seqs]
-                                if keep_on_device else None)
+        queued behind it, with no wait. kept_for: the rows' request ids, when each sampled token is also written
+        into last_token at its request's block-table row, for the next step's placeholders (None: not kept).
+        -> what read_sampled reads."""
+        params, seeds, positions = (list(column) for column in zip(*sampling))  # positions: those in flight too
+        return self.launch_draw(logits, params, seeds, positions,
+                                last_token_rows=None if kept_for is None else
+                                [self.block_tables.row_of[request_id] for request_id in kept_for])
 
     def launch_draw(self, logits: torch.Tensor, params: list, seeds: list[int], positions: list[int],
                     last_token_rows: list[int] | None = None) -> SimpleNamespace:
@@ -508,7 +518,7 @@ class ModelRunner:
             return SimpleNamespace(copies=self.start_read_back(next_ids, chosen, *tops), asked=asked,
                                    num=len(params))
 
-    def verify(self, logits: torch.Tensor, places: list[int], seqs: list[Sequence],
+    def verify(self, logits: torch.Tensor, places: list[int], sampling: list[tuple],
                drafts: list[list[int]]) -> list[Verdict]:
         """The target's verdict on every request's drafts. places: the rows of logits [rows, vocab] that are
         the requests' k_i + 1 places, request by request (the place before draft j predicts draft j; the last one
@@ -519,11 +529,10 @@ class ModelRunner:
         -> one Verdict per request: the tokens to emit, their logprobs (raw log-softmax, as a plain step reports
         them) and their top-n logprobs."""
         params, seeds, positions = [], [], []
-        for seq, ds in zip(seqs, drafts):
-            first = len(seq.output_ids)  # the output index of its first draft
+        for (sp, seed, first), ds in zip(sampling, drafts):  # first: the output index of its first draft
             for j in range(len(ds) + 1):
-                params.append(seq.params)
-                seeds.append(seq.seed)
+                params.append(sp)
+                seeds.append(seed)
                 positions.append(first + j)
         if len(places) < len(logits):  # the index goes to the device without a wait (pinned)
             logits = logits[to_device(torch.tensor(places), logits.device)]  # [T, vocab]

@@ -31,42 +31,71 @@ from .sequence import SequenceStatus
 @dataclass
 class SchedulerOutput:
     """One step's plan, built once from the scheduler's work (build), then only read: by the core (its counters, the
-    requests that get a token), the model runner (the inputs), the attention backend (its metadata) and the CUDA
-    graphs (whether the step replays one).
+    requests that get a token), the model runner (the inputs, the draws), the attention backend (its metadata) and
+    the CUDA graphs (whether the step replays one). It names requests by id and holds plain values: the runner reads
+    nothing else of a request, and a tensor-parallel worker gets the same plan, serialised (parallel.py's pack_plan).
 
-        rows          [(request, new tokens)], in the scheduler's order: decodes first, then prompt chunks
-        query_lens    each row's new tokens [S]
+        request_ids   each row's request, in the scheduler's order: decodes first, then prompt chunks [S]
+        query_lens    each row's new tokens (a drafting row: its newest token and its drafts) [S]
         starts        each row's first new token's position: the request's num_computed_tokens [S]
+        token_ids     each row's new input ids that the host knows: all of them, or all but the last for a
+                      placeholder row [S lists]
         decodes       the rows that are decodes: one new token, the request's newest
         sample_rows   the rows that get a token: a decode, or a chunk that reaches its prompt's last token (its
                       logits are the next token's); a chunk before the end gets none, its row is dropped
         placeholders  the rows whose last new token is a placeholder (sampled by the step in flight, not read by the
                       host): its input id is taken on the device (model_runner.py's fill_placeholders)
         drafts        {row: its drafts} (Drafter.propose): a decode run with its drafts, whose tokens are the verdict's
+        block_tables  each row's block table (the block manager's list): the runner's rows take the blocks new since
+                      its last step from it (BlockTables.changes); None on a worker, which is told the changes
+        sampling      each row's (sampling params, seed, output index of its next token): what its draw is keyed by;
+                      None on a worker (rank 0 samples)
 
-    Every list of rows holds indices into rows."""
+    Every list of rows holds indices into the rows."""
 
-    rows: list[tuple]
+    request_ids: list[str]
     query_lens: list[int]
     starts: list[int]
+    token_ids: list[list[int]]
     decodes: list[int]
     sample_rows: list[int]
     placeholders: list[int]
     drafts: dict[int, list[int]]
+    block_tables: list[list[int]] | None = None
+    sampling: list[tuple] | None = None
 
     @classmethod
-    def build(cls, work: list[tuple], placeholders=None, drafts=None) -> SchedulerOutput:
-        """The scheduler's [(request, new tokens)] -> the step's plan. placeholders: the rows whose last input is on
-        the device, when known already (a tensor-parallel worker is told them); None: found here, the rows whose new
-        tokens run past the tokens the host has read."""
-        drafts, scheduled = drafts or {}, work  # a drafting row runs its newest token and its drafts (in its tokens)
-        work = [(seq, n + len(drafts.get(i, ()))) for i, (seq, n) in enumerate(work)]
-        ends = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in work]  # the row reaches its newest token
-        if placeholders is None:
-            placeholders = [i for i, (seq, n) in enumerate(work) if seq.num_computed_tokens + n > len(seq.token_ids)]
-        return cls(rows=work, query_lens=[n for _, n in work], starts=[seq.num_computed_tokens for seq, _ in work],
-                   decodes=[i for i, (_, n) in enumerate(scheduled) if n == 1 and ends[i]], drafts=drafts,
-                   sample_rows=[i for i, end in enumerate(ends) if end and i not in drafts], placeholders=placeholders)
+    def build(cls, work: list[tuple], drafts=None) -> SchedulerOutput:
+        """The scheduler's [(request, new tokens)] -> the step's plan. A row's placeholder: its new tokens run past
+        the tokens the host has read. A drafting row runs its newest token and its drafts (in its token_ids)."""
+        drafts = drafts or {}
+        query_lens = [n + len(drafts.get(i, ())) for i, (_, n) in enumerate(work)]
+        starts = [seq.num_computed_tokens for seq, _ in work]
+        late = [start + n > len(seq.token_ids) for (seq, _), start, n in zip(work, starts, query_lens)]
+        ends = [start + n == seq.num_tokens for (seq, _), start, n in zip(work, starts, query_lens)]
+        return cls.of([seq.request_id for seq, _ in work], starts, query_lens, ends,
+                      [seq.token_ids[start:start + n - placeholder]
+                       for (seq, _), start, n, placeholder in zip(work, starts, query_lens, late)],
+                      [i for i, placeholder in enumerate(late) if placeholder], drafts,
+                      block_tables=[seq.block_table for seq, _ in work],
+                      sampling=[(seq.params, seq.seed, len(seq.output_ids) + seq.num_output_placeholders)
+                                for seq, _ in work])
+
+    @classmethod
+    def of(cls, request_ids, starts, query_lens, ends, token_ids, placeholders, drafts=None, block_tables=None,
+           sampling=None) -> SchedulerOutput:
+        """The plan from its rows' values (ends: whether each row reaches its request's newest token): which rows are
+        decodes and which sample follows from them, the same on rank 0 (build) and on a worker (unpack_plan)."""
+        drafts = drafts or {}
+        return cls(request_ids=list(request_ids), query_lens=list(query_lens), starts=list(starts),
+                   token_ids=token_ids, placeholders=list(placeholders), drafts=drafts,
+                   decodes=[i for i, n in enumerate(query_lens) if n - len(drafts.get(i, ())) == 1 and ends[i]],
+                   sample_rows=[i for i, end in enumerate(ends) if end and i not in drafts],
+                   block_tables=block_tables, sampling=sampling)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
 
     @property
     def num_decodes(self) -> int:

@@ -24,10 +24,45 @@ from .attention import BACKENDS
 from .config import EngineConfig
 from .model import CausalLM
 from .model_runner import ModelRunner
-from .parallel import (TIMEOUT_S, TensorParallel, WorkerError, WorkerValueError, free_port, pack_work,  # noqa: F401
-                       rank_device, unpack_work)
+from .parallel import TIMEOUT_S, TensorParallel, WorkerError, WorkerValueError, free_port, rank_device  # noqa: F401
 from .scheduler import SchedulerOutput
 from .timers import PhaseTimers
+
+def pack_plan(plan, changes) -> torch.Tensor:
+    """The step's plan (scheduler.py's SchedulerOutput) and its block-table changes (BlockTables.changes: each row's
+    table row, how many blocks the row holds, the blocks new since) -> one int64 tensor: S, then per row (start, n, end,
+    table row, blocks held, new blocks, placeholder), then every row's known new token ids, then every row's new blocks.
+    A worker needs no more: no request ids (the table rows name the rows), no sampling (rank 0 samples), no drafts
+    (speculation runs on one rank). end: whether the row reaches its request's newest token (a decode, a prompt's last
+    chunk)."""
+    late, ends = set(plan.placeholders), set(plan.sample_rows) | set(plan.drafts)
+    head, ids, blocks = [plan.num_rows], [], []
+    for i, (start, n, known, (row, held, new)) in enumerate(zip(plan.starts, plan.query_lens, plan.token_ids,
+                                                                 changes)):
+        head += [start, n, int(i in ends), row, held, len(new), int(i in late)]
+        ids += known
+        blocks += new
+    return torch.tensor(head + ids + blocks, dtype=torch.int64)
+
+
+def unpack_plan(packed: torch.Tensor) -> tuple[SchedulerOutput, list]:
+    """pack_plan's tensor -> (the plan, with no block tables and no sampling; its block-table changes): the step as
+    rank 0 scheduled it. Each row's request is named by its table row."""
+    values = packed.tolist()
+    num = values[0]
+    heads = [values[1 + 7 * i:8 + 7 * i] for i in range(num)]
+    id_at = 1 + 7 * num
+    block_at = id_at + sum(head[1] - head[6] for head in heads)
+    token_ids, changes = [], []
+    for start, n, end, row, held, num_new, placeholder in heads:
+        token_ids.append(values[id_at:id_at + n - placeholder])
+        changes.append((row, held, values[block_at:block_at + num_new]))
+        id_at, block_at = id_at + n - placeholder, block_at + num_new
+    columns = list(zip(*heads)) if heads else [()] * 7
+    placeholders = [i for i, head in enumerate(heads) if head[6]]
+    plan = SchedulerOutput.of([f"row {row}" for row in columns[3]], columns[0], columns[1],
+                              [bool(end) for end in columns[2]], token_ids, placeholders)
+    return plan, changes
 
 
 def graphs_off_reason(enforce_eager: bool, device: torch.device, attention_backend: str) -> str | None:
@@ -199,13 +234,12 @@ class Workers:
         if failure:
             self._fail(failure)
 
-    def start_step(self, tp: TensorParallel, work, changes, placeholders=(), share_tokens: bool = False) -> None:
-        """Ring every doorbell (the size of the step's inputs), then broadcast the inputs (the work and its
-        block-table changes): the workers run the same forward as rank 0 from here. placeholders: the work's
-        rows whose last input is filled on the device (pack_work); share_tokens, the doorbell says "step+tokens":
-        after the forward each worker also receives rank 0's last_token."""
+    def start_step(self, tp: TensorParallel, plan: SchedulerOutput, changes, share_tokens: bool = False) -> None:
+        """Ring every doorbell (the size of the step's inputs), then broadcast the inputs (the plan, with its
+        block-table changes: pack_plan): the workers run the same forward as rank 0 from here. share_tokens: the
+        doorbell says "step+tokens": after the forward each worker also receives rank 0's last_token."""
         self.check_alive()
-        packed = pack_work(work, changes, placeholders)
+        packed = pack_plan(plan, changes)
         try:
             for conn in self.conns:
                 conn.send(("step+tokens" if share_tokens else "step", packed.numel()))
@@ -265,8 +299,8 @@ def worker_main(rank: int, size: int, init_method: str, device: str, config: Eng
             if kind == "tables":  # rank 0 asks for this worker's block-table rows
                 conn.send(("tables", runner.block_tables.held()))
                 continue
-            work, changes, placeholders = unpack_work(tp.broadcast_inputs(None, numel), runner.block_tables)
-            runner.execute(SchedulerOutput.build(work, placeholders), changes)  # rank 0's plan, from its rows
+            plan, changes = unpack_plan(tp.broadcast_inputs(None, numel))
+            runner.execute(plan, changes)  # rank 0's plan
             if kind == "step+tokens":  # rank 0's sampled tokens, for this rank's placeholders' inputs
                 tp.broadcast_tokens(runner.last_token)
     except (EOFError, KeyboardInterrupt):

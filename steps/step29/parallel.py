@@ -17,14 +17,14 @@ How a layer is cut (Megatron-LM's split, https://arxiv.org/abs/1909.08053), for 
                              rank 0, the only rank that samples.
 
 Rank 0 is the engine (scheduler, block manager, sampler) in the user's process. Ranks 1..N-1 are worker processes
-(worker.py starts them with the spawn method), each running the same forward as rank 0 when rank 0 tells it to:
-every step, rank 0 rings a doorbell (a pipe per worker: "a step of this many numbers") and broadcasts the step's
-inputs as one int64 tensor (pack_work: each row's start, new tokens, length, its block-table row with the blocks it
-got since its last step, and whether its last new token is a placeholder, filled on the device). A worker rebuilds
-the rows (StepRow), and from them the step's plan (worker.py), and calls its own model runner's execute, exactly what
-rank 0 runs; the collectives inside the forward meet rank 0's. Every worker keeps persistent block-table rows of its
-own (model_runner.py's BlockTables) and writes the new blocks into the rows rank 0 names, so a table crosses the pipe
-whole once, when its sequence takes a row, and then only block by block as it grows.
+(worker.py starts them with the spawn method), each running the same forward as rank 0 when rank 0 tells it to: every
+step, rank 0 rings a doorbell (a pipe per worker: "a step of this many numbers") and broadcasts the step's inputs as one
+int64 tensor: the step's plan (scheduler.py's SchedulerOutput) as worker.py's pack_plan writes it, each row's start, new
+tokens and known ids, its block-table row with the blocks it got since its last step, and whether its last new token is
+a placeholder, filled on the device. A worker rebuilds the same plan (unpack_plan) and calls its own model runner's
+execute on it, exactly what rank 0 runs; the collectives inside the forward meet rank 0's. Every worker keeps persistent
+block-table rows of its own (model_runner.py's BlockTables) and writes the new blocks into the rows rank 0 names, so a
+table crosses the pipe whole once, when its sequence takes a row, and then only block by block as it grows.
 
 A worker exits when the engine stops it (shutdown), when its parent process is gone (the pipe from rank 0 closes
 with the process that held its other end, however that process ended), or on an error (after sending the
@@ -195,75 +195,6 @@ class TensorParallel:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
         return int(t.item())
-
-
-# ---- a step's inputs, as rank 0 sends them ---------------------------------------------------------------
-class NewTokens:
-    """The tokens a worker knows of a sequence: the ones this step computes, at positions start .. start + n - 1
-    (but a placeholder, its last, whose id only the devices hold). Indexed like the sequence's token_ids (by
-    absolute position), inside that window only."""
-
-    def __init__(self, start: int, ids: list[int]):
-        self.start, self.ids = start, ids
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            if i.start != self.start or i.stop != self.start + len(self.ids):
-                raise IndexError(f"a worker holds positions {self.start}..{self.start + len(self.ids) - 1} only")
-            return self.ids
-        if not self.start <= i < self.start + len(self.ids):
-            raise IndexError(f"a worker holds positions {self.start}..{self.start + len(self.ids) - 1} only")
-        return self.ids[i - self.start]
-
-
-class StepRow:
-    """One scheduled sequence on a worker: what the model runner reads of a Sequence, rebuilt from the broadcast.
-    Its block table is the worker's own row (tables: its BlockTables), read only when asked."""
-
-    def __init__(self, start: int, num_tokens: int, new_ids: list[int], tables, row: int):
-        self.num_computed_tokens, self.num_tokens = start, num_tokens
-        self.token_ids = NewTokens(start, new_ids)
-        self.tables, self.row = tables, row
-
-    @property
-    def block_table(self) -> list[int]:
-        """The whole table, from the row (only the torch backend's loop reads it: it reads each context whole)."""
-        return self.tables.rows[self.row, :self.tables.lengths[self.row]].tolist()
-
-
-def pack_work(work, changes, placeholders=()) -> torch.Tensor:
-    """The scheduled [(sequence, new tokens)] and their block-table changes (BlockTables.changes: each one's row, how
-    many blocks the row holds, the blocks new since) -> one int64 tensor: S, then per row (start, n, length, table
-    row, blocks held, new blocks, placeholder), then every row's new token ids, then every row's new blocks.
-    placeholders: the indices in work of the rows whose last new token is a placeholder (model_runner.py's
-    execute): such a row's placeholder is 1 and its ids are its n - 1 known ones."""
-    late = set(placeholders)
-    head, ids, blocks = [len(work)], [], []
-    for i, ((seq, n), (row, held, new)) in enumerate(zip(work, changes)):
-        start, placeholder = seq.num_computed_tokens, int(i in late)
-        head += [start, n, seq.num_tokens, row, held, len(new), placeholder]
-        ids += seq.token_ids[start:start + n - placeholder]
-        blocks += new
-    return torch.tensor(head + ids + blocks, dtype=torch.int64)
-
-
-def unpack_work(packed: torch.Tensor, tables) -> tuple[list[tuple[StepRow, int]], list, list[int]]:
-    """pack_work's tensor -> ([(StepRow, new tokens)], the block-table changes, the placeholders): the work as rank 0
-    scheduled it, its rows read from `tables` (this worker's BlockTables, once the changes are written there)."""
-    values = packed.tolist()
-    num = values[0]
-    heads = [values[1 + 7 * i:8 + 7 * i] for i in range(num)]
-    id_at = 1 + 7 * num
-    block_at = id_at + sum(head[1] - head[6] for head in heads)
-    work, changes, placeholders = [], [], []
-    for i, (start, n, length, row, held, num_new, placeholder) in enumerate(heads):
-        known = n - placeholder
-        work.append((StepRow(start, length, values[id_at:id_at + known], tables, row), n))
-        changes.append((row, held, values[block_at:block_at + num_new]))
-        if placeholder:
-            placeholders.append(i)
-        id_at, block_at = id_at + known, block_at + num_new
-    return work, changes, placeholders
 
 
 # ---- what the worker processes share with rank 0 ----------------------------------------------------------------------------

@@ -115,10 +115,11 @@ class EngineCore:
         self.stats["emitted_tokens"] = 0  # every emitted token
         self.drafter = Drafter(self.speculative, self.stats, self.timers)  # its counters join the stats
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
-        # a request's released blocks free its block-table row in the runner
+        # a request's released blocks free its block-table row in the runner; a trimmed table shortens its row
+        tables = self.runner.block_tables
         self.block_manager = BlockManager(self.memory["num_blocks"], config.block_size, config.enable_prefix_caching,
-                                          on_release=self.runner.block_tables.release,
-                                          on_trim=self.runner.block_tables.trim)
+                                          on_release=lambda r: tables.release(r.request_id),
+                                          on_trim=lambda r: tables.trim(r.request_id, len(r.block_table)))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
 
     def shutdown(self) -> None:

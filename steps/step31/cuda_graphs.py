@@ -88,22 +88,20 @@ class StaticDecodeInputs:
         self.tile_first = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if pin else None  # recorded behind each fill's copies
 
-    def fill(self, seqs: list, tables, rows: list[int], size: int, block_size: int, scratch_block: int,
-             placeholders=()) -> None:
-        """The decodes of `seqs` (each: its newest token, the one without K/V yet; rows: their rows in the runner's
-        BlockTables `tables`) into rows 0 .. len(seqs) - 1, padding rows up to `size`: token 0 at position 0, its
-        K/V written to the scratch block's first slot, a context of that one token (the block table row: the
-        scratch block). The tables are the persistent rows, gathered; then the two copies, queued.
-        placeholders: the indices of the sequences whose newest token is a placeholder (not in token_ids): 0 here,
-        its id written on the device afterwards (the runner's fill_placeholders)."""
-        num, pad = len(seqs), size - len(seqs)
+    def fill(self, plan, tables, rows: list[int], size: int, block_size: int, scratch_block: int) -> None:
+        """The decodes of the plan (scheduler.py's SchedulerOutput; each row: its newest token, the one without K/V
+        yet; rows: their rows in the runner's BlockTables `tables`) into rows 0 .. S - 1, padding rows up to `size`:
+        token 0 at position 0, its K/V written to the scratch block's first slot, a context of that one token (the
+        block table row: the scratch block). The tables are the persistent rows, gathered; then the two copies,
+        queued. The plan's placeholders (a newest token the host does not know): 0 here, its id written on the
+        device afterwards (the runner's fill_placeholders)."""
+        num, pad = plan.num_rows, size - plan.num_rows
         if not 0 < num <= size <= self.max_seqs:
             raise ValueError(f"fill: {num} sequences in a batch of {size} (at most {self.max_seqs})")
         if self.copied is not None:  # wait until the last fill's copies have read the staging
             self.copied.synchronize()
-        positions = [seq.num_computed_tokens for seq in seqs]
-        late = set(placeholders)
-        ids = [0 if i in late else seq.token_ids[p] for i, (seq, p) in enumerate(zip(seqs, positions))]
+        positions, late = plan.starts, set(plan.placeholders)
+        ids = [0 if i in late else known[0] for i, known in enumerate(plan.token_ids)]
         self.host_longs[:2, :size] = torch.tensor([ids + [0] * pad, positions + [0] * pad])
         self.host_longs[2, :num] = tables.slots(rows, self.host_longs[1, :num], [1] * num, block_size)
         self.host_longs[2, num:size] = scratch_block * block_size
@@ -187,11 +185,11 @@ class DecodeGraphs:
         inputs.seq_lens.fill_(1)
         inputs.block_tables[:size, 0] = self.scratch_block
 
-    def prepare(self, seqs: list, tables, rows: list[int], placeholders=()) -> int:
-        """Pad `seqs` (len(seqs) <= the largest size; rows: their rows in the BlockTables `tables`) to its bucket and
-        fill the static buffers (placeholders: as fill's). -> the bucket."""
-        size = padded_size(len(seqs), self.sizes)
-        self.inputs.fill(seqs, tables, rows, size, self.block_size, self.scratch_block, placeholders)
+    def prepare(self, plan, tables, rows: list[int]) -> int:
+        """Pad the plan's rows (no more than the largest size; rows: theirs in the BlockTables `tables`) to their
+        bucket and fill the static buffers. -> the bucket."""
+        size = padded_size(plan.num_rows, self.sizes)
+        self.inputs.fill(plan, tables, rows, size, self.block_size, self.scratch_block)
         return size
 
     def launch(self, size: int, num_rows: int) -> torch.Tensor:
@@ -225,20 +223,19 @@ class StaticVerifyInputs(StaticDecodeInputs):
         self.input_ids, self.positions, self.slot_mapping = self.longs
         self.cu_seqlens_q = torch.arange(max_seqs + 1, dtype=torch.int32, device=device) * q
 
-    def fill(self, work: list, tables, rows: list[int], size: int, block_size: int, scratch_block: int) -> None:
-        """work: (sequence, new tokens n <= query_len) pairs, each the sequence's newest n tokens (its newest token
-        and its drafts); rows: their rows in the runner's BlockTables. Rows padded to query_len tokens, the batch to
-        `size` rows, as the class says; then the two copies, queued."""
-        q, num = self.query_len, len(work)
+    def fill(self, plan, tables, rows: list[int], size: int, block_size: int, scratch_block: int) -> None:
+        """The plan's rows, each n <= query_len new tokens, its request's newest (its newest token and its drafts);
+        rows: theirs in the runner's BlockTables. Rows padded to query_len tokens, the batch to `size` rows, as the
+        class says; then the two copies, queued."""
+        q, num = self.query_len, plan.num_rows
         if not 0 < num <= size <= self.max_seqs:
             raise ValueError(f"fill: {num} sequences in a batch of {size} (at most {self.max_seqs})")
         if self.copied is not None:
             self.copied.synchronize()
-        starts = [seq.num_computed_tokens for seq, _ in work]
-        counts = [n for _, n in work]
+        starts, counts = plan.starts, plan.query_lens
         ids, positions, real = [], [], []  # real: the flat index of every token that is not padding
-        for i, ((seq, n), start) in enumerate(zip(work, starts)):
-            ids += seq.token_ids[start:start + n] + [0] * (q - n)
+        for i, (known, n, start) in enumerate(zip(plan.token_ids, counts, starts)):
+            ids += known + [0] * (q - n)
             positions += range(start, start + q)
             real += range(i * q, i * q + n)
         ids += [0] * ((size - num) * q)
@@ -292,15 +289,15 @@ class VerifyGraphs(DecodeGraphs):
         and the block tables' width; no more rows than the largest graph."""
         q = self.query_len
         max_len = min(self.model.config.max_position_embeddings, self.inputs.max_blocks * self.block_size)
-        return (len(plan.rows) <= self.sizes[-1] and len(plan.sample_rows) + len(plan.drafts) == len(plan.rows)
+        return (plan.num_rows <= self.sizes[-1] and len(plan.sample_rows) + len(plan.drafts) == plan.num_rows
                 and all(n <= q and start + q <= max_len for start, n in zip(plan.starts, plan.query_lens)))
 
-    def prepare(self, work: list, tables, rows: list[int]) -> int:
-        size = padded_size(len(work), self.sizes)
-        self.inputs.fill(work, tables, rows, size, self.block_size, self.scratch_block)
+    def prepare(self, plan, tables, rows: list[int]) -> int:
+        size = padded_size(plan.num_rows, self.sizes)
+        self.inputs.fill(plan, tables, rows, size, self.block_size, self.scratch_block)
         return size
 
-    def graph_rows(self, work: list, logits_rows: list[int]) -> list[int]:
+    def graph_rows(self, query_lens: list[int], logits_rows: list[int]) -> list[int]:
         """The eager flat batch's token indices (logits_rows) -> the same tokens' rows in the graph's output."""
-        where = [i * self.query_len + j for i, (_, n) in enumerate(work) for j in range(n)]
+        where = [i * self.query_len + j for i, n in enumerate(query_lens) for j in range(n)]
         return [where[r] for r in logits_rows]

@@ -118,10 +118,12 @@ class EngineCore:
         # the prefix cache's second tier, in host memory (offload.py): its decisions here, its blocks on every rank
         self.host_tier = HostKVTier(self.memory["host_blocks"], self.stats) if config.kv_offloading_size else None
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
-        # a request's released blocks free its block-table row in the runner
+        # a request's released blocks free its block-table row in the runner; a trimmed table shortens its row
+        tables = self.runner.block_tables
         self.block_manager = BlockManager(self.memory["num_blocks"], config.block_size, config.enable_prefix_caching,
-                                          on_release=self.runner.block_tables.release,
-                                          on_trim=self.runner.block_tables.trim, host=self.host_tier)
+                                          on_release=lambda r: tables.release(r.request_id),
+                                          on_trim=lambda r: tables.trim(r.request_id, len(r.block_table)),
+                                          host=self.host_tier)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
 
     def shutdown(self) -> None:
