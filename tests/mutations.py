@@ -388,8 +388,8 @@ MUTATIONS = [
         "step27-draw-salted", "step27's verdict draws with a key of its own, not the plain step's for that place (the "
         "tokens still follow p, but a seed's tokens depend on whether the request drafted)",
         "steps/step27/model_runner.py",
-        "                seeds.append(seq.seed)\n",
-        "                seeds.append(seq.seed ^ 0x5EC0)\n",
+        "                seeds.append(seed)\n",
+        "                seeds.append(seed ^ 0x5EC0)\n",
         ("tests/test_part9_spec.py::test_a_seeded_sampled_request_gets_step26s_tokens_alone_in_a_batch_and_under_"
          "budget_pressure",)),
     Mutation(
