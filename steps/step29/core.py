@@ -115,7 +115,7 @@ class EngineCore:
         self.stats["emitted_tokens"] = 0  # every emitted token
         self.drafter = Drafter(self.speculative, self.stats, self.timers)  # its counters join the stats
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
-        # a request's released blocks free its block-table row in the runner; a trimmed table shortens its row
+        # a request's released blocks free its block-table row in the runner
         tables = self.runner.block_tables
         self.block_manager = BlockManager(self.memory["num_blocks"], config.block_size, config.enable_prefix_caching,
                                           on_release=lambda r: tables.release(r.request_id),

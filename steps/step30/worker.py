@@ -32,10 +32,9 @@ def pack_plan(plan, changes) -> torch.Tensor:
     """The step's plan (scheduler.py's SchedulerOutput) and its block-table changes (BlockTables.changes: each row's
     table row, how many blocks the row holds, the blocks new since) -> one int64 tensor: S, then per row (start, n, end,
     table row, blocks held, new blocks, placeholder), then every row's known new token ids, then every row's new blocks.
-    A worker needs no more: no request ids (the table rows name the rows), no sampling (rank 0 samples), no drafts
-    (speculation runs on one rank). end: whether the row reaches its request's newest token (a decode, a prompt's last
-    chunk)."""
-    late, ends = set(plan.placeholders), set(plan.sample_rows) | set(plan.drafts)
+    A worker needs no more: no request ids (the table rows name the rows), no sampling (rank 0 samples). end: whether
+    the row reaches its request's newest token (a decode, a prompt's last chunk)."""
+    late, ends = set(plan.placeholders), set(plan.sample_rows)
     head, ids, blocks = [plan.num_rows], [], []
     for i, (start, n, known, (row, held, new)) in enumerate(zip(plan.starts, plan.query_lens, plan.token_ids,
                                                                  changes)):

@@ -67,7 +67,7 @@ class SchedulerOutput:
     @classmethod
     def build(cls, work: list[tuple], drafts=None) -> SchedulerOutput:
         """The scheduler's [(request, new tokens)] -> the step's plan. A row's placeholder: its new tokens run past
-        the tokens the host has read. A drafting row runs its newest token and its drafts (in its token_ids)."""
+        the tokens the host has read."""
         drafts = drafts or {}
         query_lens = [n + len(drafts.get(i, ())) for i, (_, n) in enumerate(work)]
         starts = [seq.num_computed_tokens for seq, _ in work]

@@ -118,7 +118,7 @@ class EngineCore:
         # the prefix cache's second tier, in host memory (offload.py): its decisions here, its blocks on every rank
         self.host_tier = HostKVTier(self.memory["host_blocks"], self.stats) if config.kv_offloading_size else None
         self.kv_cache = self.runner.kv_cache  # one tensor for all layers (model.py, KVCache)
-        # a request's released blocks free its block-table row in the runner; a trimmed table shortens its row
+        # a request's released blocks free its block-table row in the runner
         tables = self.runner.block_tables
         self.block_manager = BlockManager(self.memory["num_blocks"], config.block_size, config.enable_prefix_caching,
                                           on_release=lambda r: tables.release(r.request_id),
