@@ -138,16 +138,33 @@ def decode_weight_bytes(model: str, bytes_per_weight: int) -> int:
 
 
 def step_engine_options(step: str) -> set[str]:
-    """Which of ENGINE_OPTIONS the step's LLM takes (read from its signature, without importing torch)."""
+    """Which of ENGINE_OPTIONS the step's LLM takes (step_option_names)."""
+    return set(step_option_names(step)) & set(ENGINE_OPTIONS)
+
+
+def step_option_names(step: str) -> list[str]:
+    """Every option the step's LLM takes, read from the code without importing torch: its __init__'s parameters, and
+    where it takes **options, the fields of the step's engine_args.py's EngineArgs (each option written once there)."""
     import ast
 
-    tree = ast.parse((Path(__file__).resolve().parents[1] / "steps" / step / "engine.py").read_text())
-    for node in ast.walk(tree):
+    folder = Path(__file__).resolve().parents[1] / "steps" / step
+    for node in ast.walk(ast.parse((folder / "engine.py").read_text())):
         if isinstance(node, ast.ClassDef) and node.name == "LLM":
             for f in node.body:
                 if isinstance(f, ast.FunctionDef) and f.name == "__init__":
-                    return {a.arg for a in f.args.args} & set(ENGINE_OPTIONS)
+                    names = [a.arg for a in f.args.args[1:]]
+                    return names + (engine_args_fields(folder / "engine_args.py") if f.args.kwarg else [])
     raise ValueError(f"{step}: engine.py has no LLM.__init__")
+
+
+def engine_args_fields(path: Path) -> list[str]:
+    """The fields of the EngineArgs dataclass in `path`, in order, but the model (LLM's first parameter)."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs":
+            return [f.target.id for f in node.body if isinstance(f, ast.AnnAssign) and f.target.id != "model"]
+    raise ValueError(f"{path}: no class EngineArgs")
 
 
 def warm_up(llm, prompts: list, params: list[SamplingParams]) -> None:

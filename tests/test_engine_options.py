@@ -5,8 +5,9 @@ import inspect
 
 import pytest
 
-from conftest import STEPS
+from conftest import ROOT, STEPS
 from shared import check_engine_options
+from shared.bench import step_option_names
 
 # option -> (a bad value, what the message says)
 BAD = {
@@ -38,9 +39,9 @@ def bad_values(name: str) -> list[tuple]:
 
 
 def engine_options(step: str) -> list[str]:
-    """The options of BAD that this step's LLM takes (a step has what its signature has)."""
-    LLM = importlib.import_module(f"steps.{step}.engine").LLM
-    return [name for name in inspect.signature(LLM).parameters if name in BAD]
+    """The options of BAD that this step's LLM takes (its signature's, or its engine_args.py's where it takes
+    **options)."""
+    return [name for name in step_option_names(step) if name in BAD]
 
 
 @pytest.mark.parametrize("step", [s for s in STEPS if engine_options(s)])
@@ -67,3 +68,31 @@ def test_the_helper_checks_only_what_it_is_given():
     for bad in (0, float("nan"), "0.9", True):
         with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in"):
             check_engine_options(gpu_memory_utilization=bad)
+
+
+ARGS_STEPS = [s for s in STEPS if (ROOT / "steps" / s / "engine_args.py").exists()]
+
+
+@pytest.mark.parametrize("step", ARGS_STEPS)
+def test_each_option_is_written_once_and_the_flags_are_made_from_it(step):
+    """engine_args.py's EngineArgs is where an option is written: LLM takes model and **options (no option in its
+    signature), EngineConfig adds none of its own (only what it derives, not given), serve.py's parser has one flag
+    per option in its config's group, and an unknown option is refused by name."""
+    import dataclasses
+
+    args, config = (importlib.import_module(f"steps.{step}.{name}") for name in ("engine_args", "config"))
+    names = [f.name for f in args.option_fields()]
+    LLM = importlib.import_module(f"steps.{step}.engine").LLM
+    assert [p.kind.name for p in inspect.signature(LLM).parameters.values()] == ["POSITIONAL_OR_KEYWORD", "VAR_KEYWORD"]
+    own = [f.name for f in dataclasses.fields(config.EngineConfig) if f.init and f.name not in names]
+    assert not own, f"EngineConfig declares options of its own: {own}"
+    parser = importlib.import_module(f"steps.{step}.serve").engine_arg_parser("x")
+    groups = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups if g.title in args.GROUPS}
+    by_group = {group: [f.name for f in args.option_fields() if f.metadata["group"] == group] for group in args.GROUPS}
+    assert groups == by_group
+    parsed = parser.parse_args(["--no-enable-prefix-caching", "--max-num-seqs", "3", "--async-scheduling"])
+    options = importlib.import_module(f"steps.{step}.serve").engine_options(parsed)
+    assert set(options) == set(names) - {"model"}
+    assert options["enable_prefix_caching"] is False and options["max_num_seqs"] == 3 and options["async_scheduling"]
+    with pytest.raises(ValueError, match=r"unknown engine option 'max_num_seq'; the options are model, "):
+        LLM("no-such-model", max_num_seq=3)

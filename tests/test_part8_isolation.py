@@ -23,6 +23,7 @@ import inspect
 import pytest
 
 from core_faults import STEP_FAILURE_SEED, inject_faults, inject_step_faults
+from conftest import ROOT
 from helpers import load_engine, step_module
 from registry import NEWEST, STEPS, TINY, has, introducing, lesson_and_newest
 from shared import SamplingParams
@@ -101,6 +102,13 @@ def test_a_request_that_fails_its_steps_fails_alone(step, async_scheduling):
 
 
 # ---- max_logprobs ---------------------------------------------------------------------------------------------
+def option_default(step: str, name: str):
+    """An option's default: in the step's LLM signature, or in its engine_args.py where the LLM takes **options."""
+    if (ROOT / "steps" / step / "engine_args.py").exists():
+        return getattr(step_module(step, "engine_args").EngineArgs(), name)
+    return inspect.signature(load_engine(step).LLM).parameters[name].default
+
+
 LOGPROBS_STEPS = sorted({ISOLATION, introducing("overlap_scheduling"), NEWEST}, key=STEPS.index)  # its two homes
 
 
@@ -108,7 +116,7 @@ LOGPROBS_STEPS = sorted({ISOLATION, introducing("overlap_scheduling"), NEWEST}, 
 def test_logprobs_above_max_logprobs_are_refused_with_the_request(step):
     """engine.py checks it (step23, step24), config.py from step25 on; the default is vLLM's, 20."""
     LLM = load_engine(step).LLM
-    assert inspect.signature(LLM).parameters["max_logprobs"].default == 20
+    assert option_default(step, "max_logprobs") == 20
     with pytest.raises(ValueError, match="max_logprobs must be an integer >= 1, got 0"):
         LLM("no-such-model", device="cpu", max_logprobs=0)  # before the model is looked for
     with pytest.raises(ValueError, match=r"max_logprobs=49153 is more than the model's vocabulary \(49152 tokens\)"):

@@ -524,14 +524,16 @@ assert "torch" not in sys.modules, "serving a request imported torch in the fron
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("step", copies_params(STEPS, "wire", "kv_spec"))
-def test_the_wires_kv_cache_dtypes_are_the_engines_one_table(step):
-    """serve.py offers wire.KV_CACHE_DTYPES (it imports no torch): the names of kv_spec.py's one table of formats
-    (torch-free), not a copy of it; the engine's check takes each of them and refuses any other."""
-    wire, kv = step_module(step, "wire"), step_module(step, "kv_spec")
-    assert wire.KV_CACHE_DTYPES is kv.KV_CACHE_DTYPES and list(kv.KV_CACHE_DTYPES) == list(kv.FORMATS)
+@pytest.mark.parametrize("step", copies_params(STEPS, "engine_args", "kv_spec"))
+def test_the_front_ends_kv_cache_dtypes_are_the_engines_one_table(step):
+    """serve.py's --kv-cache-dtype offers engine_args.py's choices (it imports no torch): the names of kv_spec.py's
+    one table of formats (torch-free), not a copy of it; the engine's check takes each of them and refuses any
+    other."""
+    args, kv = step_module(step, "engine_args"), step_module(step, "kv_spec")
+    choices = next(f.metadata["choices"] for f in args.option_fields() if f.name == "kv_cache_dtype")
+    assert choices is kv.KV_CACHE_DTYPES and list(kv.KV_CACHE_DTYPES) == list(kv.FORMATS)
     assert step_module(step, "model").KV_CACHE_DTYPES is kv.KV_CACHE_DTYPES
-    for name in wire.KV_CACHE_DTYPES:
+    for name in choices:
         assert kv.check_kv_cache_dtype(name) == name
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         kv.check_kv_cache_dtype("fp4")

@@ -147,6 +147,7 @@ LAYERS = [
      "speculative",  # step27: the config and the proposer of drafts
      "wire",  # step26: the messages between the front end and the engine core
      "output",  # step26: Finish and the stop check (the offline engine's, the core's and the front end's)
+     "engine_args",  # step25: every engine option written once (no torch: the server's flags are made from it)
      "offload"},  # step32: the host tier under the prefix cache (the block manager calls it, the runner flushes it)
     {"model"},
     {"model_runner", "attention"},  # the runner and the attention backends that build its metadata

@@ -27,10 +27,6 @@ import msgspec
 
 from shared import SamplingParams
 
-# The values the core's engine takes for kv_cache_dtype (kv_spec.py's, which imports no torch): a front end's
-# command line offers these without importing the model.
-from .kv_spec import KV_CACHE_DTYPES  # noqa: F401
-
 PROTOCOL_VERSION = 1
 
 

@@ -1,9 +1,10 @@
 """The engine's options as one typed config (vLLM's EngineConfig, small): EngineConfig holds every option of LLM under
-vLLM's name, and checks them all in one place, its construction, before anything loads: each bad option is a
-ValueError that names it. It also resolves what was left to the engine (None: auto): the device and dtype, the
-attention backend, async scheduling, and max_kv_tokens on the CPU. Last it finds the model (a name, a random shape
-or a folder) and reads its config.json, to check that tensor_parallel_size splits it. speculative_config, a
-dict as vLLM takes it, becomes a SpeculativeConfig (speculative.py).
+vLLM's name (engine_args.py writes each once: its default, its meaning, its group), and checks them all in one place,
+its construction, before anything loads: each bad option is a ValueError that names it. It also resolves what was left
+to the engine (None: auto): the device and dtype, the attention backend, async scheduling, and max_kv_tokens on the CPU.
+Last it finds the model (a name, a random shape or a folder) and reads its config.json, to check that
+tensor_parallel_size splits it. speculative_config, a dict as vLLM takes it, becomes a SpeculativeConfig
+(speculative.py).
 
 The LLM builds its EngineConfig from its keyword arguments first, then builds itself from it; the build of a rank
 (worker.py's build_rank) and the tensor-parallel workers get the config, not a dict of options. It pickles (the
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from shared import DEFAULT_MODEL, check_engine_options, check_max_logprobs, resolve_device_dtype, resolve_model
+from shared import check_engine_options, check_max_logprobs, resolve_device_dtype, resolve_model
 
+from .engine_args import EngineArgs
 from .kv_spec import check_kv_cache_dtype
 from .model import ModelConfig
 from .model_runner import CPU_DEFAULT_KV_TOKENS
@@ -62,26 +64,11 @@ def choose_attention_backend(asked: str | None, device: torch.device) -> str:
 
 
 @dataclass
-class EngineConfig:
-    """Every engine option, vLLM's names and LLM's defaults; after construction each one is checked and resolved."""
+class EngineConfig(EngineArgs):
+    """Every engine option (engine_args.py's EngineArgs: vLLM's names, LLM's defaults), checked and resolved at
+    construction: device becomes a torch.device, dtype a torch.dtype, model the str of its name, speculative_config a
+    SpeculativeConfig (or None), and the None that leaves an option to the engine its value."""
 
-    model: str = DEFAULT_MODEL  # a known name, "random:<shape>" or a folder; after: str(model)
-    device: torch.device | str | None = None  # None: cuda when torch sees a GPU, else cpu; after: a torch.device
-    dtype: torch.dtype | str | None = None  # None: bfloat16 on cuda, float32 on the cpu; after: a torch.dtype
-    max_num_seqs: int = 16  # requests running at once
-    max_num_batched_tokens: int = 512  # tokens computed in one step (its token budget)
-    max_kv_tokens: int | None = None  # the KV pool; None: from free memory on cuda, CPU_DEFAULT_KV_TOKENS on the cpu
-    block_size: int = 16  # tokens per KV block
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may use (weights, cache, graphs)
-    attention_backend: str | None = None  # "triton" or "torch"; None: triton on cuda (when installed), else torch
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8"
-    enforce_eager: bool = False  # True: no CUDA graphs
-    tensor_parallel_size: int = 1  # ranks: this process and N - 1 workers
-    async_scheduling: bool | None = None  # the overlapped order; None: on with cuda, off elsewhere
-    max_logprobs: int = 20  # the most logprobs a request may ask for (at most the vocabulary)
-    # n-gram drafts, {"method": "ngram", "num_speculative_tokens": k, ...}; after: a SpeculativeConfig or None
-    speculative_config: SpeculativeConfig | dict | None = None
     # found from `model` during the checks: its folder and its config.json
     model_dir: Path = field(init=False)
     model_config: ModelConfig = field(init=False, repr=False)

@@ -9,12 +9,9 @@ Streaming: step(partial=True) also returns the requests that got a token and go 
 longest stop string's length minus one, so that a later stop string never takes back text already sent.
 max_logprobs (vLLM's option, default 20) bounds the logprobs a request asks for, checked with the request.
 
-Options, with vLLM's names: attention_backend ("triton", the default on CUDA, or "torch", the default elsewhere;
-the kernels run on a CPU only in Triton's interpreter), kv_cache_dtype ("auto", or "int8": K and V as int8 with an
-fp32 scale per token and KV head), enforce_eager (False: decode steps replay CUDA graphs where they can;
-llm.cuda_graphs says whether they do and why not), tensor_parallel_size (default 1; N: this process is rank 0, with
-N - 1 worker processes, joined by two all-reduces per layer) and async_scheduling. How the engine grew, step by
-step, is in the step's README.
+Options: LLM(model, **options) takes every option of engine_args.py's EngineArgs by vLLM's name (its default, its
+meaning and its group are written there once); config.py checks them. How the engine grew, step by step, is in the
+step's README.
 """
 from __future__ import annotations
 
@@ -25,6 +22,7 @@ from .config import EngineConfig, check_enforce_eager, choose_async_scheduling, 
 from .config import VERIFY_GRAPH_MAX_SEQS  # noqa: F401  (the verify graphs' largest batch)
 from .core import EngineCore
 from .detokenizer import IncrementalDetokenizer
+from .engine_args import check_option_names
 from .kv_spec import KV_CACHE_DTYPES, check_kv_cache_dtype  # noqa: F401
 from .model import weight_bytes, ModelConfig, describe_projections, describe_weights  # noqa: F401
 from .model_runner import CPU_DEFAULT_KV_TOKENS, kv_bytes_per_token, kv_pool_blocks  # noqa: F401
@@ -73,20 +71,11 @@ def describe_engine(config: EngineConfig, model, memory: dict, cuda_graphs: dict
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, device=None, dtype=None, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 512, max_kv_tokens: int | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
-                 attention_backend: str | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1, async_scheduling: bool | None = None, max_logprobs: int = 20,
-                 speculative_config: dict | None = None, quantization: str | None = None):
-        # Every option checked, the auto ones resolved and the model found (config.py), before anything loads.
-        self.config = config = EngineConfig(
-            model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_kv_tokens=max_kv_tokens, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
-            attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
-            tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling, max_logprobs=max_logprobs,
-            speculative_config=speculative_config, quantization=quantization)
+    def __init__(self, model: str = DEFAULT_MODEL, **options):
+        # Every option (engine_args.py's EngineArgs) checked, the auto ones resolved and the model found (config.py),
+        # before anything loads.
+        check_option_names(options)
+        self.config = config = EngineConfig(model=model, **options)
         self.model_name, self.dtype = config.model, config.dtype
         self.tokenizer = Tokenizer(config.model_dir)
         self.core = EngineCore(config, self.tokenizer)  # the workers start, then every rank builds its share

@@ -74,7 +74,7 @@ from shared import ContextLengthExceededError, SamplingParams, check_messages
 from shared.threads import threads_cpu_s
 
 from .async_llm import AsyncLLM, EngineDeadError, EngineShutDown, EngineStartError, EngineStepError
-from .wire import KV_CACHE_DTYPES
+from .engine_args import add_cli_args, from_cli_args
 
 # OpenAI fields this server reads (each checked) or knows to be harmless (user: an end-user id, for their logs).
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -487,42 +487,17 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None):
 
 
 def engine_arg_parser(description: str) -> argparse.ArgumentParser:
+    """The server's flags for the engine: one per option of engine_args.py's EngineArgs (add_cli_args), with the
+    server's own defaults for the model (a small real one, also its name in the API) and its batch."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m", help="the model served, and its name in the API")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests in one step (default: %(default)s)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-kv-tokens", type=int, default=None, help="the KV pool (default: the engine's)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--max-logprobs", type=int, default=20,
-                        help="the most logprobs a request may ask for (default: %(default)s)")
-    parser.add_argument("--speculative-config", type=json_object, default=None,
-                        help='n-gram drafts, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    return parser
-
-
-def json_object(text: str) -> dict:
-    """--speculative-config's value: a JSON object (vLLM's form of the option)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
-    return value
+    return add_cli_args(parser, model="smollm2-135m", max_num_seqs=64)
 
 
 def engine_options(args) -> dict:
-    return dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_kv_tokens=args.max_kv_tokens,
-                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-                enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-                max_logprobs=args.max_logprobs,
-                speculative_config=args.speculative_config)
+    """The parsed flags -> the engine's options, as AsyncLLM(model, **options) takes them (the model apart)."""
+    options = from_cli_args(args)
+    del options["model"]
+    return options
 
 
 def _exit_cleanly(signum, frame) -> None:

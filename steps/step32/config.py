@@ -1,9 +1,10 @@
 """The engine's options as one typed config (vLLM's EngineConfig, small): EngineConfig holds every option of LLM under
-vLLM's name, and checks them all in one place, its construction, before anything loads: each bad option is a
-ValueError that names it. It also resolves what was left to the engine (None: auto): the device and dtype, the
-attention backend, async scheduling, and max_kv_tokens on the CPU. Last it finds the model (a name, a random shape
-or a folder) and reads its config.json, to check that tensor_parallel_size splits it. speculative_config, a
-dict as vLLM takes it, becomes a SpeculativeConfig (speculative.py).
+vLLM's name (engine_args.py writes each once: its default, its meaning, its group), and checks them all in one place,
+its construction, before anything loads: each bad option is a ValueError that names it. It also resolves what was left
+to the engine (None: auto): the device and dtype, the attention backend, async scheduling, and max_kv_tokens on the CPU.
+Last it finds the model (a name, a random shape or a folder) and reads its config.json, to check that
+tensor_parallel_size splits it. speculative_config, a dict as vLLM takes it, becomes a SpeculativeConfig
+(speculative.py).
 
 The LLM builds its EngineConfig from its keyword arguments first, then builds itself from it; the build of a rank
 (worker.py's build_rank) and the tensor-parallel workers get the config, not a dict of options. It pickles (the
@@ -18,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from shared import DEFAULT_MODEL, check_engine_options, check_max_logprobs, resolve_device_dtype, resolve_model
+from shared import check_engine_options, check_max_logprobs, resolve_device_dtype, resolve_model
 from shared.models import shipped_gguf
 
+from .engine_args import QUANTIZATIONS, EngineArgs
 from .kv_spec import check_kv_cache_dtype
 from .model import ModelConfig
 from .model_runner import CPU_DEFAULT_KV_TOKENS
@@ -64,9 +66,6 @@ def choose_attention_backend(asked: str | None, device: torch.device) -> str:
     return asked
 
 
-QUANTIZATIONS = ("int4", "fp8")  # quantization's names besides None (the checkpoint as shipped)
-
-
 def check_int4_widths(config: ModelConfig, size: int, what: str) -> None:
     """4-bit weights are blocks of GROUP inputs (quant.py), so every projection's inputs on a rank must be
     whole blocks: q/k/v and gate/up read the whole hidden state on every rank; o_proj and down_proj, cut by their
@@ -91,35 +90,11 @@ def check_quantization(quantization):
 
 
 @dataclass
-class EngineConfig:
-    """Every engine option, vLLM's names and LLM's defaults; after construction each one is checked and resolved."""
+class EngineConfig(EngineArgs):
+    """Every engine option (engine_args.py's EngineArgs: vLLM's names, LLM's defaults), checked and resolved at
+    construction: device becomes a torch.device, dtype a torch.dtype, model the str of its name, speculative_config a
+    SpeculativeConfig (or None), and the None that leaves an option to the engine its value."""
 
-    model: str = DEFAULT_MODEL  # a known name, "random:<shape>" or a folder; after: str(model)
-    device: torch.device | str | None = None  # None: cuda when torch sees a GPU, else cpu; after: a torch.device
-    dtype: torch.dtype | str | None = None  # None: bfloat16 on cuda, float32 on the cpu; after: a torch.dtype
-    max_num_seqs: int = 16  # requests running at once
-    max_num_batched_tokens: int = 512  # tokens computed in one step (its token budget)
-    max_kv_tokens: int | None = None  # the KV pool; None: from free memory on cuda, CPU_DEFAULT_KV_TOKENS on the cpu
-    block_size: int = 16  # tokens per KV block
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may use (weights, cache, graphs)
-    attention_backend: str | None = None  # "triton" or "torch"; None: triton on cuda (when installed), else torch
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8", or "fp8" / "fp8_e4m3"
-    enforce_eager: bool = False  # True: no CUDA graphs
-    tensor_parallel_size: int = 1  # ranks: this process and N - 1 workers
-    async_scheduling: bool | None = None  # the overlapped order; None: on with cuda, off elsewhere
-    max_logprobs: int = 20  # the most logprobs a request may ask for (at most the vocabulary)
-    # n-gram drafts, {"method": "ngram", "num_speculative_tokens": k, ...}; after: a SpeculativeConfig or None
-    speculative_config: SpeculativeConfig | dict | None = None
-    # the linear layers' weights. None: as the checkpoint ships them (the embedded model: its GGUF's 4-bit
-    # Q4_1 blocks; a float checkpoint: floats); "int4": a float checkpoint's rounded to 4-bit blocks on load
-    quantization: str | None = None
-    # a mixture of experts over N ranks: False cuts every expert as the MLP is cut (1/N of its width on
-    # each rank), True gives each rank E/N whole experts (expert parallelism; parallel.py)
-    enable_expert_parallel: bool = False
-    # a second tier for the prefix cache in host memory (pinned on CUDA), in GiB over all ranks (vLLM's name); None or
-    # 0: none
-    kv_offloading_size: float | None = None
     # found from `model` during the checks: its folder and its config.json
     model_dir: Path = field(init=False)
     model_config: ModelConfig = field(init=False, repr=False)
