@@ -13,6 +13,9 @@
 #   bash docs/data/bench_h200_part10.sh "$OUT" moe       nano-vllm's workload on Qwen3-30B-A3B's layer shape (16
 #                                                        layers, built on first use): step31, then HF's continuous
 #                                                        batching on the same model
+#   bash docs/data/bench_h200_part10.sh "$OUT" vs-hf     nano-vllm's workload through steps 28, 29 (int4), 30 (fp8
+#                                                        cache) and 32, then HF's continuous batching on the same
+#                                                        model (carry .whl too: the core's packages, as wheels)
 # Carry .cache/tokenizers (the random models need the tokenizer). Files are named after the card (h200_ or h100_).
 out=${1:?output folder}
 mkdir -p "$out"
@@ -62,6 +65,16 @@ case "$what" in
     echo "host_path rc=$?" >> "$out/${card}_part10_env_$what.txt"
     timeout 290 python3 -m shared.bench --hf cb --model random:qwen3-30b-a3b-16-layers --workload nano-vllm \
       --repeat 1 > "$out/${card}_step31_hf_cb.txt" 2>&1
+    echo "hf cb rc=$?" >> "$out/${card}_part10_env_$what.txt" ;;
+  vs-hf)  # steps 28-30 and 32 beside HF transformers' continuous batching on the same model, in one call
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=$PYTHONPATH:/tmp/site
+    timeout 200 python3 -u docs/data/bench_host_path.py --steps step28 step29:quantization=int4 \
+      step30:kv_cache_dtype=fp8 step32 --share 0.17 --repeats 1 \
+      --out "$out/${card}_part10_vs_hf_host_path.jsonl" > "$out/${card}_part10_vs_hf_host_path.log" 2>&1
+    echo "host_path rc=$?" >> "$out/${card}_part10_env_$what.txt"
+    timeout 360 python3 -m shared.bench --hf cb --model random:qwen3-0.6b --workload nano-vllm --repeat 1 \
+      > "$out/${card}_part10_vs_hf_cb.txt" 2>&1
     echo "hf cb rc=$?" >> "$out/${card}_part10_env_$what.txt" ;;
   *) echo "unknown part: $what" >&2; exit 2 ;;
 esac
