@@ -61,7 +61,7 @@ class EngineArgs:
                                        "32768 on the cpu", parse=int)
     gpu_memory_utilization: float = option(0.9, "cache", "the share of the GPU's memory the engine may use (weights, "
                                            "cache, graphs)", parse=float)
-    kv_cache_dtype: str = option("auto", "cache", "auto: the model's dtype; int8 with a scale per token and head",
+    kv_cache_dtype: str = option("auto", "cache", "how K and V are stored (auto: in the model's dtype)",
                                  choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = option(True, "cache", "share the KV blocks of prompts' common prefixes", parse=bool)
     # ---- parallel (vLLM's ParallelConfig)

@@ -36,7 +36,7 @@ class SchedulerOutput:
     nothing else of a request, and a tensor-parallel worker gets the same plan, serialised (parallel.py's pack_plan).
 
         request_ids   each row's request, in the scheduler's order: decodes first, then prompt chunks [S]
-        query_lens    each row's new tokens (a drafting row: its newest token and its drafts) [S]
+        query_lens    each row's new tokens [S]
         starts        each row's first new token's position: the request's num_computed_tokens [S]
         token_ids     each row's new input ids that the host knows: all of them, or all but the last for a
                       placeholder row [S lists]

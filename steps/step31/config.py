@@ -91,8 +91,8 @@ def check_quantization(quantization):
 @dataclass
 class EngineConfig(EngineArgs):
     """Every engine option (engine_args.py's EngineArgs: vLLM's names, LLM's defaults), checked and resolved at
-    construction: device becomes a torch.device, dtype a torch.dtype, model the str of its name, speculative_config a
-    SpeculativeConfig (or None), and the None that leaves an option to the engine its value."""
+    construction: device becomes a torch.device, dtype a torch.dtype, model the str of its name, and the None that
+    leaves an option to the engine its value."""
 
     # found from `model` during the checks: its folder and its config.json
     model_dir: Path = field(init=False)

@@ -52,9 +52,8 @@ class EngineArgs:
     model: str = option(DEFAULT_MODEL, "model", "a known name, random:<shape> or a folder")
     device: str | None = option(None, "model", "cuda when torch sees a GPU, else cpu")
     dtype: str | None = option(None, "model", "bfloat16 on cuda, float32 on the cpu")
-    quantization: str | None = option(None, "model", "the linear layers' weights: none given, as the checkpoint "
-                                      "ships them; int4, a float checkpoint's rounded to 4-bit blocks on load; fp8, "
-                                      "float8 e4m3 with a scale per output row", choices=QUANTIZATIONS)
+    quantization: str | None = option(None, "model", "the linear layers' weights, rounded on load (none given: as "
+                                      "the checkpoint ships them)", choices=QUANTIZATIONS)
     attention_backend: str | None = option(None, "model", "triton on cuda (when installed), else torch",
                                            choices=("triton", "torch"))
     enforce_eager: bool = option(False, "model", "no CUDA graphs: every step runs eagerly", parse=bool)
@@ -65,8 +64,8 @@ class EngineArgs:
                                        "32768 on the cpu", parse=int)
     gpu_memory_utilization: float = option(0.9, "cache", "the share of the GPU's memory the engine may use (weights, "
                                            "cache, graphs)", parse=float)
-    kv_cache_dtype: str = option("auto", "cache", "auto: the model's dtype; int8 with a scale per token and head; fp8 "
-                                 "(fp8_e4m3) with a scale per layer", choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = option("auto", "cache", "how K and V are stored (auto: in the model's dtype)",
+                                 choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = option(True, "cache", "share the KV blocks of prompts' common prefixes", parse=bool)
     # ---- parallel (vLLM's ParallelConfig)
     tensor_parallel_size: int = option(1, "parallel", "ranks: this process and N - 1 workers", parse=int)
