@@ -7,7 +7,9 @@ which imports nothing from engine.py, subclasses nothing of it and calls no priv
 How a request ends is decided in one place: the offline engine (engine.py, core.py), the engine core process
 (engine_core.py) and the front end (async_llm.py) all end a request by output.py's `Finish` and its stop check: the
 step's files define one `class Finish` and one stop check, both in output.py, and output.py loads neither torch nor
-the engine (the front end, which imports it, runs without them). Read from the code (AST), nothing is run.
+the engine (the front end, which imports it, runs without them). The runner's side (the model runner, its attention
+metadata, its CUDA graphs, the tensor-parallel workers) reads the step's plan and imports nothing of sequence.py. Read
+from the code (AST), nothing is run.
 """
 import ast
 
