@@ -59,6 +59,27 @@ RANDOM_SHAPES: dict[str, dict] = {
         moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         stored_dtype="bfloat16",
     ),
+    # for tests from step33 on: DeepSeek's latent attention (a 32-wide latent and 8 roped dims per token), its router
+    # (sigmoid scores, a correction bias for the choice, 4 groups of 2 experts, 2 groups a token) and a shared
+    # expert; layer 0 dense. q_lora_rank: the query through its own low-rank pair, as in V3
+    "tiny-deepseek-v3": dict(
+        model_type="deepseek_v3", vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+        topk_group=2, moe_intermediate_size=32, first_k_dense_replace=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, topk_method="noaux_tc", scoring_func="sigmoid", rope_interleave=True,
+    ),
+    # DeepSeek-V2-Lite's kind at a tiny size: no q_lora_rank (a plain q_proj), softmax scores, greedy top-k, two
+    # shared experts, the chosen weights not renormalised
+    "tiny-deepseek-v2-lite": dict(
+        model_type="deepseek_v2", vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, n_group=1,
+        topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1, norm_topk_prob=False,
+        routed_scaling_factor=1.0, topk_method="greedy", scoring_func="softmax",
+    ),
     "qwen3-0.6b": dict(
         model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -202,8 +223,8 @@ def _hf_config_dict(shape: dict) -> dict:
     cfg = dict(shape)
     theta = cfg.pop("rope_theta")
     stored = cfg.pop("stored_dtype", "float32")  # the weights' dtype in the safetensors file
-    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[
-        cfg["model_type"]]
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[cfg["model_type"]]
     cfg.update(
         architectures=[arch], rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_theta=theta,
         hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
@@ -215,8 +236,10 @@ def _hf_config_dict(shape: dict) -> dict:
 def random_weight_names(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every weight in HF's naming, in a fixed order."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     names = [("model.embed_tokens.weight", (v, h))]
+    if cfg["model_type"] in ("deepseek_v2", "deepseek_v3"):
+        return names + deepseek_weight_names(cfg) + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         names += [
@@ -248,8 +271,51 @@ def random_weight_names(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     return names
 
 
+def deepseek_weight_names(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """A DeepSeek-V2/V3 checkpoint's layers, in HF's naming: multi-head latent attention (the query straight, or
+    through q_a_proj, its norm and q_b_proj; the keys and values through one latent: kv_a_proj_with_mqa, its norm,
+    kv_b_proj), then a dense MLP for the first first_k_dense_replace layers, the routed and shared experts after."""
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    nope, rope, vd, kv = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    names = []
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        names.append((p + "input_layernorm.weight", (h,)))
+        if cfg.get("q_lora_rank"):
+            names += [(p + "self_attn.q_a_proj.weight", (cfg["q_lora_rank"], h)),
+                      (p + "self_attn.q_a_layernorm.weight", (cfg["q_lora_rank"],)),
+                      (p + "self_attn.q_b_proj.weight", (nh * (nope + rope), cfg["q_lora_rank"]))]
+        else:
+            names.append((p + "self_attn.q_proj.weight", (nh * (nope + rope), h)))
+        names += [(p + "self_attn.kv_a_proj_with_mqa.weight", (kv + rope, h)),
+                  (p + "self_attn.kv_a_layernorm.weight", (kv,)),
+                  (p + "self_attn.kv_b_proj.weight", (nh * (nope + vd), kv)),
+                  (p + "self_attn.o_proj.weight", (h, nh * vd)),
+                  (p + "post_attention_layernorm.weight", (h,))]
+        if not is_moe_layer(cfg, layer):
+            i = cfg["intermediate_size"]
+            names += [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                      (p + "mlp.down_proj.weight", (h, i))]
+            continue
+        e, mi, shared = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["n_shared_experts"]
+        names.append((p + "mlp.gate.weight", (e, h)))
+        if cfg["model_type"] == "deepseek_v3":  # added to the scores for the choice of experts only
+            names.append((p + "mlp.gate.e_score_correction_bias", (e,)))
+        for x in range(e):
+            names += [(p + f"mlp.experts.{x}.gate_proj.weight", (mi, h)),
+                      (p + f"mlp.experts.{x}.up_proj.weight", (mi, h)),
+                      (p + f"mlp.experts.{x}.down_proj.weight", (h, mi))]
+        names += [(p + "mlp.shared_experts.gate_proj.weight", (mi * shared, h)),
+                  (p + "mlp.shared_experts.up_proj.weight", (mi * shared, h)),
+                  (p + "mlp.shared_experts.down_proj.weight", (h, mi * shared))]
+    return names
+
+
 def is_moe_layer(cfg: dict, layer: int) -> bool:
-    """A mixture of experts' sparse layer, by HF's rule (Qwen3-MoE: decoder_sparse_step and mlp_only_layers)."""
+    """A mixture of experts' sparse layer, by HF's rule (Qwen3-MoE: decoder_sparse_step and mlp_only_layers;
+    DeepSeek: every layer from first_k_dense_replace on)."""
+    if cfg["model_type"] in ("deepseek_v2", "deepseek_v3"):  # DeepSeek: dense up to first_k_dense_replace
+        return cfg["n_routed_experts"] > 0 and layer >= cfg["first_k_dense_replace"]
     return (cfg.get("num_experts", 0) > 0 and layer not in cfg.get("mlp_only_layers", ())
             and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0)
 
@@ -267,6 +333,8 @@ def make_random_weights(cfg: dict, seed: int = RANDOM_SEED) -> dict:
             weights[name] = torch.rand(shape, generator=gen) + 0.5
         elif name.endswith("mlp.gate.weight"):
             weights[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+        elif name.endswith("e_score_correction_bias"):  # about the scores' own spread: it changes some choices
+            weights[name] = torch.randn(shape, generator=gen) * 0.1
         else:
             weights[name] = torch.randn(shape, generator=gen) * RANDOM_WEIGHT_STD
         weights[name] = weights[name].to(getattr(torch, cfg.get("dtype", "float32")))  # the config's stored dtype
