@@ -556,6 +556,38 @@ MUTATIONS = [
         "    copies = [(COPY_KINDS[k], a, b) for k, a, b in zip(*[iter(values[block_at + 1:])] * 3)]\n",
         "    copies = []\n",
         ("tests/test_part10_offload.py::test_two_ranks_with_the_tier_equal_one_and_every_rank_copies_its_share",)),
+    Mutation(
+        "step33-scale-of-the-latent-row", "step33's softmax scale is 1 / sqrt(kv_lora_rank + rope), the cache row's "
+        "width, not 1 / sqrt(nope + rope), a query head's",
+        "steps/step33/model.py",
+        "                attention_scale=(nope + rope) ** -0.5, scoring_func=scoring,",
+        "                attention_scale=(kv_lora + rope) ** -0.5, scoring_func=scoring,",
+        ("tests/test_part10_mla.py::test_engine_equals_hf_deepseek_batched_chunked_cached_and_preempted",)),
+    Mutation(
+        "step33-bias-in-the-weights", "step33's router weighs the chosen experts with the bias-corrected scores "
+        "(the bias is for the choice only)",
+        "steps/step33/model.py",
+        "    weights = scores.gather(1, experts)\n",
+        "    weights = choice.gather(1, experts)\n",
+        ("tests/test_part10_mla.py::test_engine_equals_hf_deepseek_batched_chunked_cached_and_preempted",)),
+    Mutation(
+        "step33-rope-not-interleaved", "step33 turns the roped dims as halves where DeepSeek turns adjacent pairs",
+        "steps/step33/model.py",
+        "        turn = apply_rope_pairs if c.rope_interleave else apply_rope\n",
+        "        turn = apply_rope\n",
+        ("tests/test_part10_mla.py::test_engine_equals_hf_deepseek_batched_chunked_cached_and_preempted",)),
+    Mutation(
+        "step33-shared-expert-dropped", "step33's sparse layers leave out the shared experts' MLP",
+        "steps/step33/model.py",
+        "            out = out + self.ops.linear(shared,",
+        "            out = out + 0 * self.ops.linear(shared,",
+        ("tests/test_part10_mla.py::test_engine_equals_hf_deepseek_batched_chunked_cached_and_preempted",)),
+    Mutation(
+        "step33-absorbed-without-w-uv", "step33's absorbed path skips W_UV: the latents' mix taken as the values",
+        "steps/step33/attention.py",
+        "    return torch.einsum(\"thc,hvc->thv\", out, m.w_uv).flatten(1)\n",
+        "    return out[..., :m.w_uv.shape[1]].flatten(1)\n",
+        ("tests/test_part10_mla.py::test_the_absorbed_path_equals_the_decompressed_one", "tests/test_part10_mla.py::test_engine_equals_hf_deepseek_batched_chunked_cached_and_preempted")),
     # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a placeholder's input id (0) instead "

@@ -59,6 +59,8 @@ The features (the step that brings each one in is where its lesson is tested in 
     kv_offload          kv_offloading_size: evicted prefix-cache blocks stored in host memory and restored on a hit
                         (offload.py: HostKVTier decides, HostKVStore on every rank copies), in the order asked,
                         before the forward that reads them
+    mla                 DeepSeek-V2/V3: multi-head latent attention (one cache row of kv_lora_rank + rope dims a token;
+                        a decode absorbs W_UK / W_UV, a prefill chunk decompresses) and DeepSeek's router
 """
 from __future__ import annotations
 
@@ -140,6 +142,7 @@ step("step29", 10, adds=("int4_weights",))
 step("step30", 10, adds=("fp8_kv",))
 step("step31", 10, adds=("moe",))
 step("step32", 10, adds=("kv_offload",))
+step("step33", 10, adds=("mla",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}

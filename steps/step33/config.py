@@ -144,12 +144,12 @@ class EngineConfig(EngineArgs):
         # where the 4-bit blocks come from: the shipped GGUF file (read as stored), or int4 on load
         self.gguf_file = shipped_gguf(self.model) if self.quantization is None else None
         self.model_config = ModelConfig.from_json(self.model_dir / "config.json")
+        if self.model_config.kv_lora_rank:  # latent attention: what this step runs it with
+            check_latent_options(self)
         check_max_logprobs(self.max_logprobs, self.model_config.vocab_size)
         # the split must fit the model's heads: checked on its config, before any process starts
         check_tensor_parallel_size(self.tensor_parallel_size, self.model_config, self.device,
                                    self.enable_expert_parallel)
-        if self.model_config.kv_lora_rank:
-            check_latent_options(self)
         if self.quantization == "int4" or self.gguf_file is not None:  # whole 4-bit blocks on every rank
             check_int4_widths(self.model_config, self.tensor_parallel_size,
                               "quantization='int4'" if self.quantization else "the checkpoint's 4-bit Q4_1 blocks")

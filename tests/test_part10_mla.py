@@ -1,0 +1,144 @@
+"""step33: DeepSeek's multi-head latent attention (MLA) and its router.
+
+What is proven here, on the CPU (float32):
+- the engine's greedy tokens and their logprobs equal HF's DeepseekV3ForCausalLM and DeepseekV2ForCausalLM on
+  random:tiny-deepseek-v3 (q_lora_rank, sigmoid scores, a correction bias, 4 groups, a shared expert) and
+  random:tiny-deepseek-v2-lite (a plain q_proj, softmax scores, greedy top-k, two shared experts), batched, in
+  chunks, with prefix hits and with preemption (their counters); on the V3 model the correction bias changed the
+  experts chosen for some tokens in that very run (it never weighs them);
+- a decode's absorbed path equals the decompressed path on the same cache entries;
+- the cache holds one row of kv_lora_rank + qk_rope_head_dim elements a token and layer (the allocated tensor), and
+  the pool holds as many times more tokens than keys and values per head would;
+- bad input: a checkpoint without kv_b_proj, topk_group > n_group, kv_lora_rank 0, the options this step does not
+  run a latent model with: a ValueError that names it.
+"""
+import pytest
+import torch
+
+from helpers import edited_model, load_engine, step_module
+from registry import introducing
+from shared import SamplingParams, resolve_model
+
+MLA_STEP = introducing("mla")
+V3, V2 = "random:tiny-deepseek-v3", "random:tiny-deepseek-v2-lite"
+OPTIONS = dict(device="cpu", dtype="float32", attention_backend="torch")
+
+
+def prompts_with_a_shared_prefix(num: int = 4) -> list[list[int]]:
+    """Prompts that share a 32-token prefix (two blocks of 16: prefix-cache hits), each with its own tail."""
+    g = torch.Generator().manual_seed(33)
+    prefix = torch.randint(0, 49152, (32,), generator=g).tolist()
+    return [prefix + torch.randint(0, 49152, (3 + 7 * i,), generator=g).tolist() for i in range(num)]
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """HF's greedy continuation of `prompt` (n tokens) and each token's logprob under HF's own forward."""
+    with torch.no_grad():
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0]
+        logprobs = torch.log_softmax(hf(ids[None]).logits[0].float(), dim=-1)
+    new = ids[len(prompt):]
+    return new.tolist(), logprobs[len(prompt) - 1:-1].gather(1, new[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("model,arch", [(V3, "DeepseekV3ForCausalLM"), (V2, "DeepseekV2ForCausalLM")])
+def test_engine_equals_hf_deepseek_batched_chunked_cached_and_preempted(model, arch, monkeypatch):
+    """One prompt, then three at once, in a budget of 24 tokens (every prompt in chunks) and a pool so small that the
+    newest request is preempted: each greedy answer and its logprobs equal HF's, and the counters say every path ran.
+    On V3, the correction bias changed which experts some token chose (the weights never see it)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32).eval()
+    assert type(hf).__name__ == arch
+    model_mod = step_module(MLA_STEP, "model")
+    routed, route = [], model_mod.route_deepseek
+
+    def recorded(h, router, bias, c):
+        routed.append((h.clone(), router, bias, c))
+        return route(h, router, bias, c)
+    monkeypatch.setattr(model_mod, "route_deepseek", recorded)
+    prompts = prompts_with_a_shared_prefix()
+    llm = load_engine(MLA_STEP).LLM(model, **OPTIONS, max_kv_tokens=128, max_num_batched_tokens=24, max_num_seqs=4,
+                                    block_size=16)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts[:1], sp) + llm.generate(prompts[1:], sp)
+    assert llm.stats["prefill_chunks"] > len(prompts) and llm.block_manager.stats["hits"] > 0
+    assert llm.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        tokens, logprobs = hf_greedy(hf, prompt, 16)
+        assert out.outputs[0].token_ids == tokens
+        ours = [top[t] for top, t in zip(out.outputs[0].logprobs, tokens)]
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=2e-4, rtol=0)
+    if model == V3:  # the bias changed a choice in this run
+        changed = 0
+        for h, router, bias, c in routed:
+            assert bias is not None
+            _, with_bias = route(h, router, bias, c)
+            _, without = route(h, router, None, c)
+            changed += sum(set(a) != set(b) for a, b in zip(with_bias.tolist(), without.tolist()))
+        assert changed > 0
+
+
+def test_the_absorbed_path_equals_the_decompressed_one():
+    """A decode's query over the same cache entries: through W_UK and W_UV around a multi-query attention over the
+    latents (absorbed) and through keys and values per head (decompressed): the same output."""
+    attention = step_module(MLA_STEP, "attention")
+    model_mod = step_module(MLA_STEP, "model")
+    g = torch.Generator().manual_seed(5)
+    heads, nope, rope, vd, kv, ctx = 4, 16, 8, 16, 32, 37
+    kv_b = torch.randn(heads * (nope + vd), kv, generator=g) * 0.1
+    config = model_mod.ModelConfig(model_type="deepseek_v3", vocab_size=1, hidden_size=1, intermediate_size=1,
+                                   num_layers=1, num_heads=heads, num_kv_heads=1, head_dim=rope, rms_norm_eps=1e-6,
+                                   rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=False,
+                                   qk_norm=False, kv_lora_rank=kv, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                                   v_head_dim=vd)
+    m = model_mod.latent_matrices({"model.layers.0.self_attn.kv_b_proj.weight": kv_b}, config)[0]
+    entries = torch.randn(ctx, kv + rope, generator=g)
+    q_nope, q_rope = torch.randn(1, heads, nope, generator=g), torch.randn(1, heads, rope, generator=g)
+    scale = (nope + rope) ** -0.5
+    absorbed = attention.latent_absorbed(q_nope, q_rope, entries, m, scale)
+    decompressed = attention.latent_decompressed(q_nope, q_rope, entries, m, scale)
+    assert absorbed.shape == (1, heads * vd)
+    torch.testing.assert_close(absorbed, decompressed, atol=1e-5, rtol=1e-5)
+
+
+def test_the_cache_holds_one_latent_row_a_token():
+    """The allocated cache: one row of kv_lora_rank + qk_rope_head_dim elements per token and layer, and no V; the
+    bytes per token the pool is sized by are those; keys and values per head would take 2 x heads x
+    (nope + rope) / (kv_lora_rank + rope) times as many (the pool holds that many times more tokens)."""
+    llm = load_engine(MLA_STEP).LLM(V3, **OPTIONS, max_kv_tokens=256)
+    c, kv = llm.model.config, llm.model.kv_cache
+    row = c.kv_lora_rank + c.qk_rope_head_dim
+    assert kv.data.shape[0] == 1 and kv.data.shape[-2:] == (1, row) and kv.data.shape[1] == c.num_layers
+    assert all(v is None for v in kv.v)
+    spec = step_module(MLA_STEP, "model_runner").kv_spec_of(c, torch.float32)
+    assert spec.bytes_per_token == c.num_layers * row * 4
+    assert kv.data[0, 0].numel() // kv.data.shape[2] // kv.data.shape[3] == row  # per token and layer
+    per_head = c.num_layers * 2 * c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) * 4
+    assert per_head / spec.bytes_per_token == 2 * c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) / row
+    assert "one latent row of 40 a token" in llm.backend
+
+
+def test_a_checkpoint_without_kv_b_proj_is_a_value_error(tmp_path):
+    folder = edited_model(tmp_path, V3, drop="model.layers.1.self_attn.kv_b_proj.weight")
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.kv_b_proj.weight"):
+        load_engine(MLA_STEP).LLM(folder, **OPTIONS)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"topk_group": 5}, r"n_group=4 groups, topk_group=5"),
+    ({"kv_lora_rank": 0}, r"deepseek_v3 needs kv_lora_rank >= 1, got 0"),
+    ({"topk_method": "greedy"}, r"topk_method='greedy' and scoring_func='sigmoid' is not supported"),
+])
+def test_a_bad_deepseek_config_is_a_value_error_naming_it(tmp_path, edit, message):
+    folder = edited_model(tmp_path, V3, edit_config=lambda cfg: cfg.update(edit))
+    with pytest.raises(ValueError, match=message):
+        load_engine(MLA_STEP).LLM(folder, **OPTIONS)
+
+
+@pytest.mark.parametrize("option,value", [("tensor_parallel_size", 2), ("quantization", "int4"),
+                                          ("kv_cache_dtype", "int8"), ("attention_backend", "triton")])
+def test_options_a_latent_model_does_not_run_with_are_refused_by_name(option, value, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that the triton backend is a choice on the CPU
+    options = {**OPTIONS, option: value}
+    with pytest.raises(ValueError, match=rf"{option}=.*latent attention"):
+        load_engine(MLA_STEP).LLM(V3, **options)
