@@ -80,6 +80,17 @@ RANDOM_SHAPES: dict[str, dict] = {
         topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1, norm_topk_prob=False,
         routed_scaling_factor=1.0, topk_method="greedy", scoring_func="softmax",
     ),
+    # DeepSeek-V2-Lite's published shape (15.7 B weights, 2.4 B active), stored in bfloat16 (31 GB): for the GPU run
+    "deepseek-v2-lite": dict(
+        model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=163840, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1,
+        topk_group=1, moe_intermediate_size=1408, first_k_dense_replace=1, norm_topk_prob=False,
+        routed_scaling_factor=1.0, topk_method="greedy", scoring_func="softmax", stored_dtype="bfloat16",
+        rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32,
+                          beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
+    ),
     "qwen3-0.6b": dict(
         model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -222,11 +233,12 @@ def _hf_config_dict(shape: dict) -> dict:
     """A config.json that both our loaders and HF transformers (v5) read."""
     cfg = dict(shape)
     theta = cfg.pop("rope_theta")
+    scaling = cfg.pop("rope_scaling", None) or {}  # YaRN's parameters (DeepSeek's long context), if any
     stored = cfg.pop("stored_dtype", "float32")  # the weights' dtype in the safetensors file
     arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
             "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[cfg["model_type"]]
     cfg.update(
-        architectures=[arch], rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_theta=theta,
+        architectures=[arch], rope_parameters={"rope_type": "default", "rope_theta": theta, **scaling}, rope_theta=theta,
         hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
         dtype=stored, attention_dropout=0.0, initializer_range=RANDOM_WEIGHT_STD,
     )

@@ -78,6 +78,29 @@ def test_engine_equals_hf_deepseek_batched_chunked_cached_and_preempted(model, a
         assert changed > 0
 
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+
+@pytest.mark.parametrize("model", [V3, V2])
+def test_yarn_equals_hf(model, tmp_path):
+    """DeepSeek's YaRN (its long-context RoPE, DeepSeek-V2-Lite's and V3's configs): the frequencies ramped between
+    kept and divided by the factor, cos and sin times the attention factor, the softmax scale times
+    mscale(factor, mscale_all_dim) squared: greedy tokens and logprobs equal HF's on the model with YaRN."""
+    from transformers import AutoModelForCausalLM
+
+    folder = edited_model(tmp_path, model, edit_config=lambda cfg: cfg.update(rope_parameters=YARN))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = load_engine(MLA_STEP).LLM(folder, **OPTIONS, max_kv_tokens=1024)
+    assert llm.model.config.yarn is not None and llm.model.config.attention_scale != (16 + 8) ** -0.5
+    prompt = prompts_with_a_shared_prefix(2)[1]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))[0]
+    tokens, logprobs = hf_greedy(hf, prompt, 12)
+    assert out.outputs[0].token_ids == tokens
+    ours = [top[t] for top, t in zip(out.outputs[0].logprobs, tokens)]
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=2e-4, rtol=0)
+
+
 def test_the_absorbed_path_equals_the_decompressed_one():
     """A decode's query over the same cache entries: through W_UK and W_UV around a multi-query attention over the
     latents (absorbed) and through keys and values per head (decompressed): the same output."""

@@ -48,6 +48,7 @@ mlp_only_layers (and those off decoder_sparse_step) keep a dense MLP.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from itertools import accumulate, chain
 from pathlib import Path
@@ -108,6 +109,9 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
     first_k_dense_replace: int = 0  # DeepSeek: layers 0 .. first_k_dense_replace - 1 are dense
+    # YaRN (DeepSeek's long context): (factor, original_max_position_embeddings, beta_fast, beta_slow, the cos/sin's
+    # attention factor); None: plain RoPE
+    yarn: tuple | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of experts (HF's rule), not a dense MLP."""
@@ -122,10 +126,10 @@ class ModelConfig:
         model_type = c.get("model_type")
         if model_type not in SUPPORTED:
             raise ValueError(f"model: model_type {model_type!r} is not supported by this step (one of {SUPPORTED})")
-        rope = c.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type != "default" or c.get("rope_scaling"):
-            raise ValueError(f"model: rope type {rope_type!r} / rope_scaling is not supported (plain RoPE only)")
+        rope = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}  # the old name, or HF 5's
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn") or (rope_type == "yarn" and model_type not in DEEPSEEK):
+            raise ValueError(f"model: rope type {rope_type!r} is not supported (plain RoPE; YaRN for DeepSeek)")
         if c.get("attention_bias") or c.get("mlp_bias"):
             raise ValueError("model: attention_bias / mlp_bias is not supported (projections without bias only)")
         if c.get("use_sliding_window"):
@@ -133,6 +137,8 @@ class ModelConfig:
         moe = moe_fields(c) if model_type == "qwen3_moe" else deepseek_fields(c) if model_type in DEEPSEEK else {}
         if model_type in DEEPSEEK:
             c = {**c, "num_key_value_heads": 1, "head_dim": moe["qk_rope_head_dim"]}  # one latent a token
+            if rope_type == "yarn":
+                moe.update(yarn_fields(rope, c.get("max_position_embeddings", 2048), moe["attention_scale"]))
         return cls(
             model_type=model_type,
             vocab_size=c["vocab_size"],
@@ -235,12 +241,52 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables for rotary embeddings. positions: [...] -> cos, sin: [..., head_dim]."""
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, yarn: tuple | None = None):
+    """cos/sin tables for rotary embeddings. positions: [...] -> cos, sin: [..., head_dim]. yarn (ModelConfig.yarn):
+    YaRN's frequencies (yarn_inv_freq), and cos and sin times its attention factor."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    if yarn is not None:
+        inv_freq = yarn_inv_freq(inv_freq, head_dim, theta, *yarn[:4])
     angles = positions.float()[..., None] * inv_freq  # [..., head_dim/2]
     angles = torch.cat([angles, angles], dim=-1)  # [..., head_dim]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    factor = 1.0 if yarn is None else yarn[4]
+    return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context scale (its paper's 0.1 * m * ln(s) + 1; 1 when not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_fields(rope: dict, max_positions: int, scale: float) -> dict:
+    """A DeepSeek config's YaRN parameters -> ModelConfig's yarn and the softmax scale, which YaRN multiplies by
+    mscale(factor, mscale_all_dim) squared (the scale covers every dim of q . k, the roped and the others alike)."""
+    original = rope.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("model: YaRN needs original_max_position_embeddings (the context it was trained at)")
+    factor = rope.get("factor") or max_positions / original
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else yarn_mscale(factor))
+    if mscale_all_dim:
+        scale = scale * yarn_mscale(factor, mscale_all_dim) ** 2
+    return dict(yarn=(float(factor), int(original), float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1),
+                      float(attention_factor)), attention_scale=scale)
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, factor: float, original: int, beta_fast: float,
+                  beta_slow: float) -> torch.Tensor:
+    """YaRN's frequencies: the high ones (those that turn more than beta_fast times over the original context) kept,
+    the low ones (fewer than beta_slow turns) divided by factor, a linear ramp between (NTK-by-parts)."""
+    def dim_of(turns):  # the dim whose frequency turns `turns` times over the original context
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low)
+            / (high - low if high > low else 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -526,7 +572,7 @@ class CausalLM:
         # gather, nothing computed from host data), which a CUDA graph can replay. Equal to rope_cos_sin's per step.
         dtype, device = weights["model.norm.weight"].dtype, weights["model.norm.weight"].device
         self.rope_cos, self.rope_sin = rope_cos_sin(torch.arange(config.max_position_embeddings, device=device),
-                                                    config.head_dim, config.rope_theta, dtype)
+                                                    config.head_dim, config.rope_theta, dtype, config.yarn)
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, device: torch.device, dtype: torch.dtype,
