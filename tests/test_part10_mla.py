@@ -101,6 +101,38 @@ def test_yarn_equals_hf(model, tmp_path):
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=2e-4, rtol=0)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_latent_kernel_equals_its_reference(splits):
+    """kernels/latent.py in the interpreter against latent_decode_reference: padded heads (4 and 20 of blocks of 16),
+    contexts of 1 to 70 tokens over shuffled blocks, one split or three (more splits than a short context has tiles:
+    empty parts), fp32 and fp16."""
+    latent = step_module(MLA_STEP, "kernels.latent")
+    g = torch.Generator().manual_seed(splits)
+    for heads, C, R, dtype, atol in [(4, 32, 8, torch.float32, 1e-5), (20, 64, 16, torch.float32, 1e-5),
+                                     (16, 32, 8, torch.float16, 2e-3)]:
+        cache = torch.randn(12, 16, 1, C + R, generator=g).to(dtype)
+        lens = torch.tensor([1, 37, 70], dtype=torch.int32)
+        tables = torch.stack([torch.randperm(12, generator=g)[:6] for _ in range(3)]).to(torch.int32)
+        q_latent, q_rope = torch.randn(3, heads, C, generator=g).to(dtype), torch.randn(3, heads, R, generator=g).to(dtype)
+        want = latent.latent_decode_reference(q_latent, q_rope, cache, tables, lens, 0.2)
+        got = latent.latent_decode(q_latent, q_rope, cache, tables, lens, 0.2, num_splits=splits, block_n=16)
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+
+
+def test_the_triton_backend_follows_the_torch_path():
+    """The triton backend on the CPU (the kernels in the interpreter): its decode steps through the latent kernel
+    (counted), its prefill steps through the decompressed path; greedy tokens equal the torch backend's on V3."""
+    prompts = prompts_with_a_shared_prefix(3)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = load_engine(MLA_STEP).LLM(V3, **{**OPTIONS, "attention_backend": backend}, max_kv_tokens=1024)
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        if backend == "triton":
+            assert llm.model.attention_backend.launches >= 7 * llm.model.config.num_layers  # the decode steps'
+    assert outs["triton"] == outs["torch"]
+
+
 def test_the_absorbed_path_equals_the_decompressed_one():
     """A decode's query over the same cache entries: through W_UK and W_UV around a multi-query attention over the
     latents (absorbed) and through keys and values per head (decompressed): the same output."""
@@ -159,9 +191,9 @@ def test_a_bad_deepseek_config_is_a_value_error_naming_it(tmp_path, edit, messag
 
 
 @pytest.mark.parametrize("option,value", [("tensor_parallel_size", 2), ("quantization", "int4"),
-                                          ("kv_cache_dtype", "int8"), ("attention_backend", "triton")])
-def test_options_a_latent_model_does_not_run_with_are_refused_by_name(option, value, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that the triton backend is a choice on the CPU
+                                          ("kv_cache_dtype", "int8"),
+                                          ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2})])
+def test_options_a_latent_model_does_not_run_with_are_refused_by_name(option, value):
     options = {**OPTIONS, option: value}
     with pytest.raises(ValueError, match=rf"{option}=.*latent attention"):
         load_engine(MLA_STEP).LLM(V3, **options)

@@ -134,7 +134,8 @@ class TritonAttention(TorchAttention):
 
     def __init__(self, config, device: torch.device):
         super().__init__(config, device)
-        if config.head_dim & (config.head_dim - 1) or config.head_dim < 16:  # the kernels' tiles: tl.arange, tl.dot
+        # the kernels' tiles: tl.arange, tl.dot (a latent model's keys are no heads: kernels/latent.py tiles them)
+        if not config.kv_lora_rank and (config.head_dim & (config.head_dim - 1) or config.head_dim < 16):
             raise ValueError(f"attention_backend='triton' (the default on CUDA): the kernels need head_dim to be a "
                              f"power of two >= 16, and this model's is {config.head_dim}; attention_backend='torch' "
                              "runs it")
@@ -167,7 +168,9 @@ class TritonAttention(TorchAttention):
         from .kernels.attention import tile_map, tile_rows  # imported with the kernels, only when they run
         from .kernels.decode import choose_num_splits
 
-        attn = self.loop_metadata(plan, slots, block_size, tables, rows, looped=0)
+        # latent attention: a step with prefill chunks loops as the torch backend does (its decompressed path)
+        looped = plan.num_rows if self.config.kv_lora_rank and not plan.decodes_only else 0
+        attn = self.loop_metadata(plan, slots, block_size, tables, rows, looped=looped)
         tables, cu, lens = self.kernel_tensors(plan, tables, rows)
         if plan.decodes_only:  # decodes only: split long contexts if that fills the GPU better
             longest = max(start + 1 for start in plan.starts)  # each row's context, its new token's included
@@ -213,6 +216,23 @@ class TritonAttention(TorchAttention):
                               k_scale=k_scale, v_scale=v_scale)
         return out.reshape(-1, c.num_heads * c.head_dim)
 
+
+    def latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, attn: AttentionMetadata,
+               m, scale: float) -> torch.Tensor:
+        """Latent attention: a step of decodes (every row one query token) absorbs W_UK into its queries and runs
+        kernels/latent.py's kernel over the paged latents, split as flash decoding splits (the step's DecodeMetadata)
+        or not; W_UV after. A step with prefill chunks runs the torch backend's two paths, row by row."""
+        if attn.context_slots:
+            return super().latent(q_nope, q_rope, cache, attn, m, scale)
+        from .kernels.latent import latent_decode  # imported with the kernels, only when they run
+
+        d = attn.decode
+        tables, lens, splits = ((d.block_tables, d.seq_lens, d.num_splits) if d is not None
+                                else (attn.mixed.block_tables, attn.mixed.seq_lens_k, 1))
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, m.w_uk)
+        self.launches += 1 if splits == 1 else 2
+        out = latent_decode(q_latent, q_rope.contiguous(), cache, tables, lens, scale, splits)
+        return torch.einsum("thc,hvc->thv", out, m.w_uv).flatten(1)
 
     # ---- the metadata of a captured decode step ----------------------------------------------------------------
     def graph_num_splits(self, size: int, max_context: int) -> int:

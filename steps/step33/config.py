@@ -82,16 +82,17 @@ def check_int4_widths(config: ModelConfig, size: int, what: str) -> None:
 
 
 def check_latent_options(config) -> None:
-    """A latent-attention model (DeepSeek's MLA) runs here on one rank, with the torch attention backend, its weights
-    and its cache in the model's dtype: any other choice is a ValueError that names it."""
+    """A latent-attention model (DeepSeek's MLA) runs here on one rank, without speculation (a verify step's rows
+    would need the prefill path inside a graph), its weights and its cache in the model's dtype: any other choice is
+    a ValueError that names it."""
     refused = {"tensor_parallel_size": config.tensor_parallel_size != 1, "quantization": config.quantization is not None,
                "kv_cache_dtype": config.kv_cache_dtype != "auto",
-               "attention_backend": config.attention_backend != "torch"}
+               "speculative_config": config.speculative_config is not None}
     for name, bad in refused.items():
         if bad:
             raise ValueError(f"{name}={getattr(config, name)!r}: {config.model} has latent attention (kv_lora_rank="
-                             f"{config.model_config.kv_lora_rank}), which this step runs on one rank, with "
-                             "attention_backend='torch', its weights and cache in the model's dtype")
+                             f"{config.model_config.kv_lora_rank}), which this step runs on one rank, without "
+                             "speculation, its weights and cache in the model's dtype")
 
 
 def check_quantization(quantization):
