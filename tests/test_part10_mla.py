@@ -156,6 +156,26 @@ def test_the_absorbed_path_equals_the_decompressed_one():
     torch.testing.assert_close(absorbed, decompressed, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("start", [0, 21])
+def test_a_chunk_over_its_cached_context_merges_two_parts_into_one_attention(start):
+    """A prefill chunk of 7 queries after `start` cached tokens: its context and its own tokens attended apart and
+    merged by log-sum-exp (latent_chunk) equal one decompressed attention over all of them with the causal mask."""
+    attention, model_mod = step_module(MLA_STEP, "attention"), step_module(MLA_STEP, "model")
+    g = torch.Generator().manual_seed(start)
+    heads, nope, rope, vd, kv, T = 4, 16, 8, 16, 32, 7
+    config = model_mod.ModelConfig(model_type="deepseek_v3", vocab_size=1, hidden_size=1, intermediate_size=1,
+                                   num_layers=1, num_heads=heads, num_kv_heads=1, head_dim=rope, rms_norm_eps=1e-6,
+                                   rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=False,
+                                   qk_norm=False, kv_lora_rank=kv, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                                   v_head_dim=vd)
+    kv_b = torch.randn(heads * (nope + vd), kv, generator=g) * 0.1
+    m = model_mod.latent_matrices({"model.layers.0.self_attn.kv_b_proj.weight": kv_b}, config)[0]
+    entries = torch.randn(start + T, kv + rope, generator=g)
+    q_nope, q_rope = torch.randn(T, heads, nope, generator=g), torch.randn(T, heads, rope, generator=g)
+    whole = attention.latent_decompressed(q_nope, q_rope, entries, m, 0.3, model_mod.causal_mask(start, T, "cpu"))
+    torch.testing.assert_close(attention.latent_chunk(q_nope, q_rope, entries, m, 0.3), whole, atol=1e-5, rtol=1e-5)
+
+
 def test_the_cache_holds_one_latent_row_a_token():
     """The allocated cache: one row of kv_lora_rank + qk_rope_head_dim elements per token and layer, and no V; the
     bytes per token the pool is sized by are those; keys and values per head would take 2 x heads x

@@ -82,13 +82,16 @@ class TorchAttention:
         the looped sequences one by one -> [N, heads * v_head_dim]. q_nope [N, heads, nope], q_rope [N, heads, rope].
         m: the layer's kv_b_proj, whole and cut per head (model.py's latent_matrices). A row of one query token (a
         decode) absorbs: its query meets the latents themselves (latent_absorbed); a row of several (a prefill
-        chunk) turns its context's latents into keys and values first (latent_decompressed)."""
+        chunk) turns its context's latents into keys and values first, its cached context and its own tokens apart,
+        merged by log-sum-exp (latent_chunk)."""
         outputs = []
         for i in range(len(attn.context_slots)):
             entries = gather_kv(cache, attn.context_slots[i])[:, 0]  # [context, kv_lora_rank + rope]
             rows = slice(attn.cu_seqlens_q[i], attn.cu_seqlens_q[i + 1])
-            path = latent_absorbed if rows.stop - rows.start == 1 else latent_decompressed
-            outputs.append(path(q_nope[rows], q_rope[rows], entries, m, scale, attn.masks[i]))
+            if rows.stop - rows.start == 1:
+                outputs.append(latent_absorbed(q_nope[rows], q_rope[rows], entries, m, scale))
+            else:
+                outputs.append(latent_chunk(q_nope[rows], q_rope[rows], entries, m, scale))
         return torch.cat(outputs)
 
 
@@ -105,6 +108,37 @@ def latent_absorbed(q_nope, q_rope, entries, m, scale, mask=None) -> torch.Tenso
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(latents.dtype)
     out = torch.einsum("hts,sc->thc", probs, latents)  # [T, heads, kv_lora_rank]
     return torch.einsum("thc,hvc->thv", out, m.w_uv).flatten(1)
+
+
+def latent_chunk(q_nope, q_rope, entries, m, scale) -> torch.Tensor:
+    """A prefill chunk of T queries, the last T of its S entries: its cached context (the first S - T entries, which
+    every query sees: no mask) and its own tokens (causal among themselves), each through the decompressed path on its
+    own, then merged by log-sum-exp: each part's output weighed by its share exp(lse_part - lse) of the softmax's
+    total. The same as one attention over all S (latent_decompressed with the causal mask), in two pieces: the
+    context's keys and values never meet a mask, and a long context could be taken piece by piece. -> [T, heads * v]."""
+    T, start = q_nope.shape[0], entries.shape[0] - q_nope.shape[0]
+    own = torch.ones(T, T, dtype=torch.bool, device=entries.device).tril()
+    parts = [latent_part(q_nope, q_rope, entries[start:], m, scale, own)]
+    if start:
+        parts.append(latent_part(q_nope, q_rope, entries[:start], m, scale, None))
+    lse = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)  # [heads, T]
+    out = sum(part * torch.exp(part_lse - lse).transpose(0, 1)[..., None] for part, part_lse in parts)
+    return out.to(entries.dtype).flatten(1)
+
+
+def latent_part(q_nope, q_rope, entries, m, scale, mask):
+    """The decompressed attention of the queries over some of their entries -> (its output [T, heads, v] in fp32,
+    normalised over these entries alone, and the log of its softmax's sum [heads, T]): what latent_chunk merges."""
+    latents, k_rope = entries[:, :m.kv_lora_rank], entries[:, m.kv_lora_rank:]
+    heads = q_nope.shape[1]
+    kv = (latents @ m.kv_b.T).view(len(latents), heads, -1)  # [S, heads, nope + v]
+    keys = torch.cat([kv[..., :m.nope], k_rope[:, None, :].expand(-1, heads, -1)], dim=-1)
+    scores = (torch.einsum("thd,shd->hts", torch.cat([q_nope, q_rope], dim=-1), keys) * scale).float()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [heads, T]
+    probs = torch.exp(scores - lse[..., None])
+    return torch.einsum("hts,shv->thv", probs, kv[..., m.nope:].float()), lse
 
 
 def latent_decompressed(q_nope, q_rope, entries, m, scale, mask=None) -> torch.Tensor:
