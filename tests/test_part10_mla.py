@@ -19,6 +19,8 @@ from helpers import edited_model, load_engine, step_module
 from registry import introducing
 from shared import SamplingParams, resolve_model
 
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+
 MLA_STEP = introducing("mla")
 V3, V2 = "random:tiny-deepseek-v3", "random:tiny-deepseek-v2-lite"
 OPTIONS = dict(device="cpu", dtype="float32", attention_backend="torch")
@@ -217,3 +219,48 @@ def test_options_a_latent_model_does_not_run_with_are_refused_by_name(option, va
     options = {**OPTIONS, option: value}
     with pytest.raises(ValueError, match=rf"{option}=.*latent attention"):
         load_engine(MLA_STEP).LLM(V3, **options)
+
+
+# ---- on the GPU ------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("heads", [16, 128])  # DeepSeek-V2-Lite's heads, V3's
+def test_gpu_latent_kernel_compiled_bf16_at_deepseek_shapes(heads):
+    """The kernel compiled, bf16, at DeepSeek's row (512 + 64) over contexts of 1 to 3,000 tokens, one split and
+    eight: within bf16's rounding of the fp32 reference."""
+    latent = step_module(MLA_STEP, "kernels.latent")
+    g = torch.Generator().manual_seed(heads)
+    C, R, S, blocks = 512, 64, 4, 200
+    cache = torch.randn(blocks, 16, 1, C + R, generator=g).to("cuda", torch.bfloat16)
+    lens = torch.tensor([1, 100, 1000, 3000], dtype=torch.int32, device="cuda")
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:188] for _ in range(S)]).to("cuda", torch.int32)
+    q_latent = torch.randn(S, heads, C, generator=g).to("cuda", torch.bfloat16) * 0.05
+    q_rope = torch.randn(S, heads, R, generator=g).to("cuda", torch.bfloat16) * 0.05
+    want = latent.latent_decode_reference(q_latent.float(), q_rope.float(), cache.float(), tables, lens, 576 ** -0.5)
+    for splits in (1, 8):
+        got = latent.latent_decode(q_latent, q_rope, cache, tables, lens, 576 ** -0.5, num_splits=splits)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_triton_engine_follows_the_torch_path_in_bf16():
+    """The engine on CUDA, bf16, CUDA graphs on: the triton backend (decodes through the latent kernel, replayed
+    from graphs) gives the torch backend's greedy tokens on both tiny models, up to bf16 near-ties: the first
+    difference, if any, is a near-tie of the torch path's own logprobs."""
+    prompts = prompts_with_a_shared_prefix(3)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    for model in (V3, V2):
+        outs = {}
+        for backend in ("torch", "triton"):
+            llm = load_engine(MLA_STEP).LLM(model, device="cuda", dtype="bfloat16", attention_backend=backend,
+                                            max_kv_tokens=4096)
+            outs[backend] = [o.outputs[0] for o in llm.generate(prompts, sp)]
+            if backend == "triton":
+                assert llm.stats["graph_replays"] > 0 and llm.model.attention_backend.launches > 0
+            llm.shutdown()
+        for a, b in zip(outs["torch"], outs["triton"]):
+            first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+            if first is not None:  # a near-tie: the two best logprobs within bf16's rounding
+                top = sorted(a.logprobs[first].values(), reverse=True)[:2]
+                assert top[0] - top[1] < 0.05, (model, first, top)

@@ -1,10 +1,13 @@
-"""step32 demo: a second tier for the KV cache in host memory. kv_offloading_size (GiB, vLLM's name) gives the prefix
-cache a pool of host blocks (pinned on CUDA): a cached block the GPU pool evicts is copied there first, keyed by its
-hash, and a prompt whose blocks the GPU no longer holds finds them there, each copied back into a GPU block before
-the forward that reads it (offload.py; on CUDA the copies run on a side stream, in the order asked). The lesson runs
-a multi-turn chat, each turn sent whole, in a KV pool of about a quarter of its working set, through two engines of this
-step, one with the tier and one without: the same answers, and how many prompt tokens each computed turn by turn.
-Then this step against step31 on one request: equal, token for token."""
+"""step33 demo: DeepSeek's multi-head latent attention (MLA). A DeepSeek-V2/V3 layer caches, per token, one row: a
+latent of kv_lora_rank values and qk_rope_head_dim roped key dims that every head shares, where a GQA model caches a
+key and a value per KV head. A prefill chunk turns the latents back into each head's keys and values (kv_b_proj) and
+attends as usual (its cached context and its own tokens apart, merged by log-sum-exp); a decode instead absorbs
+kv_b_proj's key half into its query and its value half into its output, and attends straight over the latents: one
+row read for every head (kernels/latent.py on the triton backend). The router is DeepSeek's: sigmoid scores with a
+correction bias for the choice only, the best groups of experts first (V3), or softmax and greedy (V2), with shared
+experts beside the routed ones. The lesson runs --mla-model on one question through the torch path and the kernel (in
+Triton's interpreter on a CPU): the same tokens; it shows what one token's cache takes against keys and values per
+head. Then the dense --model through step32 and this step: equal, token for token."""
 import sys
 from pathlib import Path
 
@@ -16,77 +19,57 @@ if __package__ in (None, ""):  # run as a script: make `steps.<this step>` and `
 
 
 from shared import SamplingParams
-from shared.anatomy import anatomy_arg_parser, before_after, compared_options, demo_options
+from shared.anatomy import anatomy_arg_parser, before_after, compared_options, demo_options, interpreter_off_cuda
 from shared.cli import answer_question, format_table, print_header, user_errors
-
-from .engine import LLM
-
-CONVERSATIONS, TURNS, SYSTEM, USER = 4, 3, 48, 16  # the lesson's chat: a shared system prompt, then user turns
 
 
 def main() -> None:
     parser = anatomy_arg_parser(__doc__)
-    parser.set_defaults(requests=1, lesson_tokens=16)
-    parser.add_argument("--kv-offloading-size", type=float, default=0.25,
-                        help="the host tier of the step's own engine, in GiB (default 0.25; 0: none)")
+    parser.set_defaults(requests=1, lesson_tokens=8)
+    parser.add_argument("--mla-model", default="random:tiny-deepseek-v3",
+                        help="the latent-attention model of the lesson (default random:tiny-deepseek-v3); its decode "
+                             "kernel runs in Triton's interpreter on a CPU")
     args = parser.parse_args()
     with user_errors(parser):  # bad input: one `error:` line, exit status 2
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_offloading_size=args.kv_offloading_size,
-                  **demo_options(args))
-        print_header("step32: a second tier for the KV cache, in host memory", llm)
+        interpreter_off_cuda(args)  # before anything imports triton: the latent kernel runs in the interpreter here
+        from .engine import LLM
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, **demo_options(args))
+        print_header("step33: DeepSeek's latent attention, one cache row a token", llm)
         answer_question(llm, args)
         show_lesson(llm, args)
 
 
-def chat(engine, args, vocab: int):
-    """CONVERSATIONS chats of TURNS turns, each turn sent whole -> (answers, per turn: prompt tokens, tokens computed,
-    blocks restored from host memory)."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    system = torch.randint(0, vocab, (SYSTEM,), generator=g).tolist()
-    history = [system + torch.randint(0, vocab, (USER,), generator=g).tolist() for _ in range(CONVERSATIONS)]
-    sp = SamplingParams(temperature=0, max_tokens=args.lesson_tokens, ignore_eos=True)
-    answers, turns = [], []
-    for _ in range(TURNS):
-        saved, restored = engine.block_manager.stats["tokens_saved"], engine.stats.get("host_restores", 0)
-        outs = engine.generate(history, sp)
-        prompt = sum(map(len, history))
-        turns.append((prompt, prompt - (engine.block_manager.stats["tokens_saved"] - saved),
-                      engine.stats.get("host_restores", 0) - restored))
-        answers.append([o.outputs[0].token_ids for o in outs])
-        history = [h + list(o.outputs[0].token_ids) + torch.randint(0, vocab, (USER,), generator=g).tolist()
-                   for h, o in zip(history, outs)]
-    return answers, turns
-
-
 def show_lesson(llm, args) -> None:
-    block = llm.config.block_size
-    working_set = CONVERSATIONS * (SYSTEM + TURNS * USER + TURNS * args.lesson_tokens)
-    longest = SYSTEM + TURNS * USER + TURNS * args.lesson_tokens
-    pool = max(working_set // 4, longest + block) // block * block + block  # a quarter, and room for the longest
-    options = {**compared_options(args), "max_kv_tokens": pool, "max_num_seqs": CONVERSATIONS}
-    engines = {"recompute": LLM(args.model, device=args.device, dtype=args.dtype, **options),
-               "host tier": LLM(args.model, device=args.device, dtype=args.dtype, kv_offloading_size=0.25, **options)}
-    vocab = llm.model.config.vocab_size
-    results = {name: chat(engine, args, vocab) for name, engine in engines.items()}
-    print(f"\n{CONVERSATIONS} conversations x {TURNS} turns, each turn sent whole (a {SYSTEM}-token system prompt, "
-          f"{USER}-token user turns, {args.lesson_tokens}-token answers): a working set of {working_set} tokens in a "
-          f"KV pool of {pool}. Prompt tokens computed, turn by turn:")
-    rows = []
-    for t in range(TURNS):
-        (prompt, recompute, _), (_, tier, restored) = results["recompute"][1][t], results["host tier"][1][t]
-        rows.append([str(t + 1), str(prompt), str(recompute), str(tier), str(restored)])
-    print(format_table(["turn", "prompt tokens", "computed without the tier", "computed with it",
-                        "blocks restored from host memory"], rows))
-    s = engines["host tier"].stats
-    print(f"The tier stored {s['host_stores']} blocks ({s['host_bytes_out'] / 2**10:.0f} KiB) and restored "
-          f"{s['host_restores']} ({s['host_bytes_in'] / 2**10:.0f} KiB); it holds {s['host_blocks']} blocks. The "
-          "answers are " + ("equal, token for token." if results["recompute"][0] == results["host tier"][0] else
-                            "NOT equal."))
+    from .engine import LLM
+    from .model_runner import kv_spec_of
+
+    sp = SamplingParams(temperature=0, max_tokens=args.lesson_tokens, ignore_eos=True)
+    question = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+    outs, engines = {}, {}
+    for backend in ("torch", "triton"):
+        engines[backend] = LLM(args.mla_model, device=args.device, dtype=args.dtype, attention_backend=backend,
+                               **compared_options(args))
+        outs[backend] = engines[backend].chat([question], sp)[0].outputs[0].token_ids
+    model = engines["torch"].model
+    c = model.config
+    spec = kv_spec_of(c, model.w["model.norm.weight"].dtype)
+    row = c.kv_lora_rank + c.qk_rope_head_dim
+    per_head = 2 * c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+    print(f"\n{args.mla_model}: {c.num_layers} layers, {c.num_heads} heads, a latent of {c.kv_lora_rank} and "
+          f"{c.qk_rope_head_dim} roped dims a token")
+    rows = [["one latent row (this step)", str(row), str(spec.bytes_per_token)],
+            ["a key and a value per head", str(per_head), str(spec.bytes_per_token * per_head // row)]]
+    print(format_table(["what a token's cache holds", "elements a layer", "bytes a token (every layer)"], rows))
+    where = "compiled" if llm.device.type == "cuda" else "in Triton's interpreter"
+    launches = engines["triton"].model.attention_backend.launches
+    print(f"\n{args.lesson_tokens} greedy tokens through the torch path and through the latent kernel ({where}: "
+          f"{launches} launches over the decode steps' layers):")
+    same = outs["torch"] == outs["triton"]
+    print("The two paths' tokens are " + ("equal, token for token." if same else
+                                          "not equal (a near-tie in the sums' order)."))
     for engine in engines.values():
         engine.shutdown()
-    before_after("step31", "step32", llm, args)
+    before_after("step32", "step33", llm, args)
 
 
 if __name__ == "__main__":

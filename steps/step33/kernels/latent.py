@@ -139,9 +139,10 @@ def latent_decode(q_latent, q_rope, cache, block_tables, seq_lens, scale, num_sp
                   block_h: int = 16, num_warps: int = 4) -> torch.Tensor:
     """The kernel: -> [S, heads, C] in q's dtype. num_splits > 1: flash decoding's parts, merged by
     kernels/decode.py's merge kernel (its head_dim: C, a power of two)."""
-    from .decode import _flash_decode_merge_kernel
+    from .decode import _check_not_interpreted_bf16, _flash_decode_merge_kernel
 
     _check(q_latent, q_rope, cache, block_tables, seq_lens)
+    _check_not_interpreted_bf16(q_latent.dtype)
     S, heads, C = q_latent.shape
     R = q_rope.shape[-1]
     if C & (C - 1):
