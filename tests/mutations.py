@@ -585,7 +585,9 @@ MUTATIONS = [
     Mutation(
         "step33-absorbed-without-w-uv", "step33's absorbed path skips W_UV: the latents' mix taken as the values",
         "steps/step33/attention.py",
+        "    out = torch.einsum(\"hts,sc->thc\", probs, latents)  # [T, heads, kv_lora_rank]\n"
         "    return torch.einsum(\"thc,hvc->thv\", out, m.w_uv).flatten(1)\n",
+        "    out = torch.einsum(\"hts,sc->thc\", probs, latents)  # [T, heads, kv_lora_rank]\n"
         "    return out[..., :m.w_uv.shape[1]].flatten(1)\n",
         ("tests/test_part10_mla.py::test_the_absorbed_path_equals_the_decompressed_one", "tests/test_part10_mla.py::test_engine_equals_hf_deepseek_batched_chunked_cached_and_preempted")),
     # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs
