@@ -180,8 +180,9 @@ def test_a_chunk_over_its_cached_context_merges_two_parts_into_one_attention(sta
 
 def test_the_cache_holds_one_latent_row_a_token():
     """The allocated cache: one row of kv_lora_rank + qk_rope_head_dim elements per token and layer, and no V; the
-    bytes per token the pool is sized by are those; keys and values per head would take 2 x heads x
-    (nope + rope) / (kv_lora_rank + rope) times as many (the pool holds that many times more tokens)."""
+    bytes per token the pool is sized by are those; the same memory holds heads x (nope + rope + v) /
+    (kv_lora_rank + rope) times the tokens a cache of keys and values per head would (the pool's block count), and
+    the engine's line says so."""
     llm = load_engine(MLA_STEP).LLM(V3, **OPTIONS, max_kv_tokens=256)
     c, kv = llm.model.config, llm.model.kv_cache
     row = c.kv_lora_rank + c.qk_rope_head_dim
@@ -190,9 +191,14 @@ def test_the_cache_holds_one_latent_row_a_token():
     spec = step_module(MLA_STEP, "model_runner").kv_spec_of(c, torch.float32)
     assert spec.bytes_per_token == c.num_layers * row * 4
     assert kv.data[0, 0].numel() // kv.data.shape[2] // kv.data.shape[3] == row  # per token and layer
-    per_head = c.num_layers * 2 * c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) * 4
-    assert per_head / spec.bytes_per_token == 2 * c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) / row
-    assert "one latent row of 40 a token" in llm.backend
+    # the same memory in a cache of keys and values per head (what kv_b_proj turns each row into): fewer tokens
+    runner = step_module(MLA_STEP, "model_runner")
+    per_head = c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)  # elements a layer
+    memory, block = 2**30, 16
+    latent_blocks = runner.kv_pool_blocks(memory, 1.0, 0, block * spec.bytes_per_token)
+    per_head_blocks = runner.kv_pool_blocks(memory, 1.0, 0, block * c.num_layers * per_head * 4)
+    assert latent_blocks // per_head_blocks == per_head // row and spec.stands_for == per_head
+    assert f"one latent row of 40 a token: {per_head / row:.1f}x the tokens of keys and values per head" in llm.backend
 
 
 def test_a_checkpoint_without_kv_b_proj_is_a_value_error(tmp_path):

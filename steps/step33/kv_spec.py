@@ -24,6 +24,7 @@ class KVSpec:
     row_elements: int = 0
     layers: int = 0
     latent: bool = False  # one row a token: a latent-attention model's latent and roped dims, not K and V heads
+    stands_for: int = 0  # a latent row: the elements of the keys and values per head it is turned into (per layer)
 
     @property
     def bytes_per_token(self) -> int:
@@ -34,7 +35,8 @@ class KVSpec:
         """The elements' dtype and their scales, as the engine's line says them ("int8 + an fp32 scale per token
         and KV head")."""
         if self.latent:
-            return f"{self.dtype}, one latent row of {self.row_elements} a token"
+            return (f"{self.dtype}, one latent row of {self.row_elements} a token: "
+                    f"{self.stands_for / self.row_elements:.1f}x the tokens of keys and values per head")
         return self.dtype + (" + an fp32 scale per token and KV head" if self.scale_bytes else
                              " + a scale per layer for K and for V" if self.layer_scales else "")
 
@@ -71,5 +73,7 @@ def kv_spec(kv_cache_dtype: str, model_config, model_dtype_name: str, model_elem
         if kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: a latent-attention model's cache is kept in its "
                              "dtype in this step (kv_cache_dtype='auto')")
-        return replace(fmt, rows_per_token=1, row_elements=latent + model_config.qk_rope_head_dim, latent=True)
+        c = model_config
+        return replace(fmt, rows_per_token=1, row_elements=latent + c.qk_rope_head_dim, latent=True,
+                       stands_for=c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim))
     return replace(fmt, rows_per_token=2 * model_config.num_kv_heads, row_elements=model_config.head_dim)

@@ -53,8 +53,7 @@ def show_lesson(llm, args) -> None:
     model = engines["torch"].model
     c = model.config
     spec = kv_spec_of(c, model.w["model.norm.weight"].dtype)
-    row = c.kv_lora_rank + c.qk_rope_head_dim
-    per_head = 2 * c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+    row, per_head = spec.row_elements, spec.stands_for  # a key (nope + rope) and a value (v) per head
     print(f"\n{args.mla_model}: {c.num_layers} layers, {c.num_heads} heads, a latent of {c.kv_lora_rank} and "
           f"{c.qk_rope_head_dim} roped dims a token")
     rows = [["one latent row (this step)", str(row), str(spec.bytes_per_token)],
