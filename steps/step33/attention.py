@@ -142,18 +142,11 @@ def latent_part(q_nope, q_rope, entries, m, scale, mask):
 
 
 def latent_decompressed(q_nope, q_rope, entries, m, scale, mask=None) -> torch.Tensor:
-    """One sequence's queries over its entries, as HF's modules compute it: kv_b_proj turns each latent into every
-    head's key part and value, the shared roped dims join each head's key, then ordinary attention with the scale.
-    -> [T, heads * v]."""
-    latents, k_rope = entries[:, :m.kv_lora_rank], entries[:, m.kv_lora_rank:]
-    heads = q_nope.shape[1]
-    kv = (latents @ m.kv_b.T).view(len(latents), heads, -1)  # [S, heads, nope + v]
-    keys = torch.cat([kv[..., :m.nope], k_rope[:, None, :].expand(-1, heads, -1)], dim=-1)
-    scores = torch.einsum("thd,shd->hts", torch.cat([q_nope, q_rope], dim=-1), keys) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(latents.dtype)
-    return torch.einsum("hts,shv->thv", probs, kv[..., m.nope:]).flatten(1)
+    """One sequence's queries over all its entries as HF's modules compute it (latent_part over every entry at once):
+    kv_b_proj turns each latent into every head's key part and value, the shared roped dims join each head's key,
+    then ordinary attention with the scale. -> [T, heads * v]."""
+    out, _ = latent_part(q_nope, q_rope, entries, m, scale, mask)
+    return out.to(entries.dtype).flatten(1)
 
 
 class TritonAttention(TorchAttention):
