@@ -171,6 +171,9 @@ class TritonAttention(TorchAttention):
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self.split_rule = {"num_sms": sms, "min_tokens_per_split": 256}
         self.launches = 0
+        # latent attention's launches: the latent kernel's (decode rows), the mixed kernel's over decompressed chunks,
+        # and how many of those ran in a step that had decode rows too
+        self.latent_launches = {"decodes": 0, "chunks": 0, "beside decodes": 0}
         self.counters = None  # flash decoding's arrival counters, made at the first split step
         self.retired_counters = []  # outgrown counters, kept alive: a graph captured earlier still points at them
         from .kernels.gemv import pdl_supported  # launch it as a programmatic dependent where it can
@@ -248,18 +251,74 @@ class TritonAttention(TorchAttention):
                m, scale: float) -> torch.Tensor:
         """Latent attention: a step of decodes (every row one query token) absorbs W_UK into its queries and runs
         kernels/latent.py's kernel over the paged latents, split as flash decoding splits (the step's DecodeMetadata)
-        or not; W_UV after. A step with prefill chunks runs the torch backend's two paths, row by row."""
-        if attn.context_slots:
-            return super().latent(q_nope, q_rope, cache, attn, m, scale)
-        from .kernels.latent import latent_decode  # imported with the kernels, only when they run
-
+        or not; W_UV after. A step with prefill chunks: its decode rows the same way, its chunks through the mixed
+        kernel over their contexts' keys and values, decompressed (latent_chunks)."""
         d = attn.decode
+        if attn.context_slots:  # prefill chunks in the step
+            return self.latent_chunks(q_nope, q_rope, cache, attn, m, scale)
         tables, lens, splits = ((d.block_tables, d.seq_lens, d.num_splits) if d is not None
                                 else (attn.mixed.block_tables, attn.mixed.seq_lens_k, 1))
+        return self.latent_decodes(q_nope, q_rope, cache, tables, lens, splits, m, scale)
+
+    def latent_decodes(self, q_nope, q_rope, cache, tables, lens, splits: int, m, scale: float) -> torch.Tensor:
+        """Rows of one query token each: W_UK into the queries, the latent kernel, W_UV after. -> [rows, heads * v]."""
+        from .kernels.latent import latent_decode  # imported with the kernels, only when they run
+
         q_latent = torch.einsum("thn,hnc->thc", q_nope, m.w_uk)
         self.launches += 1 if splits == 1 else 2
+        self.latent_launches["decodes"] += 1
         out = latent_decode(q_latent, q_rope.contiguous(), cache, tables, lens, scale, splits)
         return torch.einsum("thc,hvc->thv", out, m.w_uv).flatten(1)
+
+    def latent_chunks(self, q_nope, q_rope, cache, attn: AttentionMetadata, m, scale: float) -> torch.Tensor:
+        """A step with prefill chunks. Its decode rows: latent_decodes. Its chunks: every chunk's context (its latents,
+        the chunk's own included) decompressed by kv_b_proj in one matmul into each head's key (nope + rope) and value,
+        both zero-padded to one power-of-two width (zeros add nothing to q . k, and the output's padding is cut off),
+        laid out as a scratch paged cache, each context in whole blocks of its own; then the mixed kernel, one launch,
+        causal within each chunk as for any prefill. -> [N, heads * v]."""
+        from .kernels.attention import mixed_attention
+
+        cu, heads, v = attn.cu_seqlens_q, q_nope.shape[1], m.w_uv.shape[1]
+        out = q_nope.new_empty(q_nope.shape[0], heads * v)
+        decodes = [i for i in range(len(cu) - 1) if cu[i + 1] - cu[i] == 1]
+        chunks = [i for i in range(len(cu) - 1) if cu[i + 1] - cu[i] > 1]
+        if decodes:
+            rows = to_device(torch.tensor([cu[i] for i in decodes]), q_nope.device)
+            picked = to_device(torch.tensor(decodes), q_nope.device)
+            out[rows] = self.latent_decodes(q_nope[rows], q_rope[rows], cache, attn.mixed.block_tables[picked],
+                                            attn.mixed.seq_lens_k[picked], 1, m, scale)
+        if not chunks:
+            return out
+        block = 16
+        lengths = [len(attn.context_slots[i]) for i in chunks]
+        spans = [-(-n // block) for n in lengths]  # each context's blocks in the scratch cache
+        slots = torch.cat([torch.nn.functional.pad(attn.context_slots[i], (0, span * block - n), value=0)
+                           for i, n, span in zip(chunks, lengths, spans)])  # padding rows: entry 0, never attended
+        entries = gather_kv(cache, slots)[:, 0]  # [padded tokens, kv_lora_rank + rope]
+        kv = (entries[:, :m.kv_lora_rank] @ m.kv_b.T).view(len(entries), heads, -1)  # [tokens, heads, nope + v]
+        k_rope = entries[:, None, m.kv_lora_rank:].expand(-1, heads, -1)
+        width = 1 << (max(m.nope + k_rope.shape[-1], v, 16) - 1).bit_length()
+        pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[-1]))  # noqa: E731
+        keys = pad(torch.cat([kv[..., :m.nope], k_rope], dim=-1)).view(-1, block, heads, width)
+        values = pad(kv[..., m.nope:]).view(-1, block, heads, width)
+        starts = [0]
+        for span in spans[:-1]:
+            starts.append(starts[-1] + span)
+        tables = torch.zeros(len(chunks), max(spans), dtype=torch.int32)
+        for r, (first, span) in enumerate(zip(starts, spans)):
+            tables[r, :span] = torch.arange(first, first + span, dtype=torch.int32)
+        rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in chunks])
+        rows = to_device(rows, q_nope.device)
+        q = pad(torch.cat([q_nope[rows], q_rope[rows]], dim=-1)).contiguous()  # [chunk tokens, heads, width]
+        query_lens = [cu[i + 1] - cu[i] for i in chunks]
+        as_tensor = lambda x: to_device(torch.tensor(x, dtype=torch.int32), q_nope.device)  # noqa: E731
+        self.launches += 1
+        self.latent_launches["chunks"] += 1
+        self.latent_launches["beside decodes"] += bool(decodes)
+        o = mixed_attention(q, keys, values, to_device(tables, q_nope.device), as_tensor(cumulative(query_lens)),
+                            as_tensor(lengths), scale, max(query_lens))
+        out[rows] = o[..., :v].flatten(1)
+        return out
 
     # ---- the metadata of a captured decode step ----------------------------------------------------------------
     def graph_num_splits(self, size: int, max_context: int) -> int:
