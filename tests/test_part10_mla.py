@@ -125,18 +125,21 @@ def test_the_triton_backend_follows_the_torch_path():
     """The triton backend on the CPU (the kernels in the interpreter), prompts in chunks of a 24-token budget beside
     the decodes of the ones already answered: decode rows through the latent kernel, chunks through the mixed kernel
     over their decompressed keys and values, in steps that hold both too (counted); the greedy tokens equal the torch
-    backend's on V3."""
+    backend's on V3, and their logprobs within 1e-5."""
     prompts = prompts_with_a_shared_prefix(3)
-    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     outs = {}
     for backend in ("torch", "triton"):
         llm = load_engine(MLA_STEP).LLM(V3, **{**OPTIONS, "attention_backend": backend}, max_kv_tokens=1024,
                                         max_num_batched_tokens=24)
-        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        outs[backend] = [o.outputs[0] for o in llm.generate(prompts, sp)]
         if backend == "triton":
             launches = llm.model.attention_backend.latent_launches
             assert launches["decodes"] > 0 and launches["chunks"] > 0 and launches["beside decodes"] > 0, launches
-    assert outs["triton"] == outs["torch"]
+    for a, b in zip(outs["triton"], outs["torch"]):
+        assert a.token_ids == b.token_ids
+        chosen = lambda out: torch.tensor([top[t] for top, t in zip(out.logprobs, out.token_ids)])  # noqa: E731
+        torch.testing.assert_close(chosen(a), chosen(b), atol=1e-5, rtol=0)
 
 
 def test_the_absorbed_path_equals_the_decompressed_one():
