@@ -586,8 +586,9 @@ MUTATIONS = [
         "step33-chunks-keys-without-rope", "step33's prefill chunks on the triton backend decompress keys without "
         "their roped dims",
         "steps/step33/attention.py",
-        "        keys = pad(torch.cat([kv[..., :m.nope], k_rope], dim=-1)).view(-1, block, heads, width)\n",
-        "        keys = pad(torch.cat([kv[..., :m.nope], 0 * k_rope], dim=-1)).view(-1, block, heads, width)\n",
+        "        keys, values = pad(keys).view(-1, block, heads, width), pad(values).view(-1, block, heads, width)\n",
+        "        keys = torch.cat([keys[..., :m.nope], 0 * keys[..., m.nope:]], dim=-1)\n"
+        "        keys, values = pad(keys).view(-1, block, heads, width), pad(values).view(-1, block, heads, width)\n",
         ("tests/test_part10_mla.py::test_the_triton_backend_follows_the_torch_path",)),
     Mutation(
         "step33-absorbed-without-w-uv", "step33's absorbed path skips W_UV: the latents' mix taken as the values",

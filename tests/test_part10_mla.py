@@ -150,11 +150,7 @@ def test_the_absorbed_path_equals_the_decompressed_one():
     g = torch.Generator().manual_seed(5)
     heads, nope, rope, vd, kv, ctx = 4, 16, 8, 16, 32, 37
     kv_b = torch.randn(heads * (nope + vd), kv, generator=g) * 0.1
-    config = model_mod.ModelConfig(model_type="deepseek_v3", vocab_size=1, hidden_size=1, intermediate_size=1,
-                                   num_layers=1, num_heads=heads, num_kv_heads=1, head_dim=rope, rms_norm_eps=1e-6,
-                                   rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=False,
-                                   qk_norm=False, kv_lora_rank=kv, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
-                                   v_head_dim=vd)
+    config = latent_config(heads, nope, rope, vd, kv)
     m = model_mod.latent_matrices({"model.layers.0.self_attn.kv_b_proj.weight": kv_b}, config)[0]
     entries = torch.randn(ctx, kv + rope, generator=g)
     q_nope, q_rope = torch.randn(1, heads, nope, generator=g), torch.randn(1, heads, rope, generator=g)
@@ -165,6 +161,15 @@ def test_the_absorbed_path_equals_the_decompressed_one():
     torch.testing.assert_close(absorbed, decompressed, atol=1e-5, rtol=1e-5)
 
 
+def latent_config(heads: int, nope: int, rope: int, vd: int, kv: int):
+    """A one-layer latent-attention ModelConfig of these dims (only what latent_matrices reads matters)."""
+    return step_module(MLA_STEP, "model").ModelConfig(
+        model_type="deepseek_v3", vocab_size=1, hidden_size=1, intermediate_size=1, num_layers=1, num_heads=heads,
+        num_kv_heads=1, head_dim=rope, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
+        tie_word_embeddings=False, qk_norm=False, kv_lora_rank=kv, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+        v_head_dim=vd)
+
+
 @pytest.mark.parametrize("start", [0, 21])
 def test_a_chunk_over_its_cached_context_merges_two_parts_into_one_attention(start):
     """A prefill chunk of 7 queries after `start` cached tokens: its context and its own tokens attended apart and
@@ -172,11 +177,7 @@ def test_a_chunk_over_its_cached_context_merges_two_parts_into_one_attention(sta
     attention, model_mod = step_module(MLA_STEP, "attention"), step_module(MLA_STEP, "model")
     g = torch.Generator().manual_seed(start)
     heads, nope, rope, vd, kv, T = 4, 16, 8, 16, 32, 7
-    config = model_mod.ModelConfig(model_type="deepseek_v3", vocab_size=1, hidden_size=1, intermediate_size=1,
-                                   num_layers=1, num_heads=heads, num_kv_heads=1, head_dim=rope, rms_norm_eps=1e-6,
-                                   rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=False,
-                                   qk_norm=False, kv_lora_rank=kv, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
-                                   v_head_dim=vd)
+    config = latent_config(heads, nope, rope, vd, kv)
     kv_b = torch.randn(heads * (nope + vd), kv, generator=g) * 0.1
     m = model_mod.latent_matrices({"model.layers.0.self_attn.kv_b_proj.weight": kv_b}, config)[0]
     entries = torch.randn(start + T, kv + rope, generator=g)

@@ -129,16 +129,22 @@ def latent_chunk(q_nope, q_rope, entries, m, scale) -> torch.Tensor:
 def latent_part(q_nope, q_rope, entries, m, scale, mask):
     """The decompressed attention of the queries over some of their entries -> (its output [T, heads, v] in fp32,
     normalised over these entries alone, and the log of its softmax's sum [heads, T]): what latent_chunk merges."""
-    latents, k_rope = entries[:, :m.kv_lora_rank], entries[:, m.kv_lora_rank:]
-    heads = q_nope.shape[1]
-    kv = (latents @ m.kv_b.T).view(len(latents), heads, -1)  # [S, heads, nope + v]
-    keys = torch.cat([kv[..., :m.nope], k_rope[:, None, :].expand(-1, heads, -1)], dim=-1)
+    keys, values = decompress(entries, m, q_nope.shape[1])
     scores = (torch.einsum("thd,shd->hts", torch.cat([q_nope, q_rope], dim=-1), keys) * scale).float()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [heads, T]
     probs = torch.exp(scores - lse[..., None])
-    return torch.einsum("hts,shv->thv", probs, kv[..., m.nope:].float()), lse
+    return torch.einsum("hts,shv->thv", probs, values.float()), lse
+
+
+def decompress(entries, m, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache entries [S, kv_lora_rank + rope] -> every head's keys [S, heads, nope + rope] and values [S, heads, v]:
+    kv_b_proj over the latents (one matmul), the shared roped dims joined to each head's key part."""
+    latents, k_rope = entries[:, :m.kv_lora_rank], entries[:, m.kv_lora_rank:]
+    kv = (latents @ m.kv_b.T).view(len(latents), heads, -1)  # [S, heads, nope + v]
+    keys = torch.cat([kv[..., :m.nope], k_rope[:, None, :].expand(-1, heads, -1)], dim=-1)
+    return keys, kv[..., m.nope:]
 
 
 def latent_decompressed(q_nope, q_rope, entries, m, scale, mask=None) -> torch.Tensor:
@@ -294,13 +300,10 @@ class TritonAttention(TorchAttention):
         spans = [-(-n // block) for n in lengths]  # each context's blocks in the scratch cache
         slots = torch.cat([torch.nn.functional.pad(attn.context_slots[i], (0, span * block - n), value=0)
                            for i, n, span in zip(chunks, lengths, spans)])  # padding rows: entry 0, never attended
-        entries = gather_kv(cache, slots)[:, 0]  # [padded tokens, kv_lora_rank + rope]
-        kv = (entries[:, :m.kv_lora_rank] @ m.kv_b.T).view(len(entries), heads, -1)  # [tokens, heads, nope + v]
-        k_rope = entries[:, None, m.kv_lora_rank:].expand(-1, heads, -1)
-        width = 1 << (max(m.nope + k_rope.shape[-1], v, 16) - 1).bit_length()
+        keys, values = decompress(gather_kv(cache, slots)[:, 0], m, heads)  # [padded tokens, heads, nope + rope / v]
+        width = 1 << (max(keys.shape[-1], v, 16) - 1).bit_length()
         pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[-1]))  # noqa: E731
-        keys = pad(torch.cat([kv[..., :m.nope], k_rope], dim=-1)).view(-1, block, heads, width)
-        values = pad(kv[..., m.nope:]).view(-1, block, heads, width)
+        keys, values = pad(keys).view(-1, block, heads, width), pad(values).view(-1, block, heads, width)
         starts = [0]
         for span in spans[:-1]:
             starts.append(starts[-1] + span)
