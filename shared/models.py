@@ -34,6 +34,11 @@ RANDOM_SHAPES: dict[str, dict] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
     ),
+    "tiny-llama-5-layers": dict(  # for tests from step34 on: 5 layers cut into 3 pipeline stages is an uneven split
+        model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
     "smollm2-135m": dict(
         model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,

@@ -143,6 +143,7 @@ step("step30", 10, adds=("fp8_kv",))
 step("step31", 10, adds=("moe",))
 step("step32", 10, adds=("kv_offload",))
 step("step33", 10, adds=("mla",))
+step("step34", 11, adds=("pipeline_parallel",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}
