@@ -598,6 +598,27 @@ MUTATIONS = [
         "    out = torch.einsum(\"hts,sc->thc\", probs, latents)  # [T, heads, kv_lora_rank]\n"
         "    return out[..., :m.w_uv.shape[1]].flatten(1)\n",
         ("tests/test_part10_mla.py::test_the_absorbed_path_equals_the_decompressed_one", "tests/test_part10_mla.py::test_engine_equals_hf_deepseek_batched_chunked_cached_and_preempted")),
+    Mutation(
+        "step34-stream-not-sent", "step34's later stages drop the residual stream the stage before sent: each starts "
+        "from zeros",
+        "steps/step34/model.py",
+        "        x = self.embed(input_ids) if hidden is None else hidden  # [N, hidden]: the residual stream\n",
+        "        x = self.embed(input_ids) if hidden is None else torch.zeros_like(hidden)\n",
+        ("tests/test_part11_pp.py::test_pp_equals_one_stage_batched_chunked_preempted_and_cached",)),
+    Mutation(
+        "step34-wrong-stages-layers", "step34's every stage builds the first layers (as many as its own), not its own",
+        "steps/step34/model.py",
+        "            full = replace(full, layer_range=(pipe.layers.start, pipe.layers.stop))\n",
+        "            full = replace(full, layer_range=(0, len(pipe.layers)))\n",
+        ("tests/test_part11_pp.py::test_pp_equals_one_stage_batched_chunked_preempted_and_cached",
+         "tests/test_part11_pp.py::test_each_rank_holds_its_layers_kv_and_sends_a_hidden_state_per_token")),
+    Mutation(
+        "step34-request-in-two-batches", "step34's scheduler puts a request in flight into the next batch too",
+        "steps/step34/scheduler.py",
+        "            if r.request_id in self.in_flight:  # in a batch the pipeline still runs: one batch at a time\n"
+        "                continue\n",
+        "",
+        ("tests/test_part11_pp.py::test_batches_overlap_up_to_pp_and_no_request_is_in_two",)),
     # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a placeholder's input id (0) instead "

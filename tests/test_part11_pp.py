@@ -1,0 +1,251 @@
+"""step34: pipeline parallelism. The layers cut into stages (contiguous ranges), each rank holding its stage's layers
+and their KV cache, the residual stream sent stage to stage and the tokens back to rank 0, up to pp batches in
+flight; every process on this machine, joined by gloo: every test here runs in CI.
+
+- pp=2, pp=3 (5 layers: an uneven split) and tp=2 x pp=2 (4 processes) give pp=1's greedy tokens and logprobs on
+  tiny Llama, Qwen3, Qwen3-MoE and DeepSeek, and seeded sampling's tokens, batched, chunked, preempted and with prefix
+  hits, while batches overlap (the counters next to the equal outputs).
+- The batch queue: a stage-0 launch of batch k + 1 before batch k's tokens are read, never more than pp batches in
+  flight, no request in two of them; with async_scheduling off, one at a time.
+- Each rank's KV cache holds its layers' share of the bytes, and the stream it sends is a hidden state per token.
+- The split, the layout and the options refused with several stages, before any process starts.
+- torchrun: two "nodes" on this machine (--nnodes 2 --nproc-per-node 1, rendezvous on 127.0.0.1) run run.py to the
+  same tokens as one stage, with the mapping printed.
+- A stage that dies is an error on rank 0, not a hang, and no worker is left after shutdown.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import TP_LOGPROB_ATOL_FP32, children_of, compare_completions, load_engine, shell_env, step_module
+from registry import introducing
+from shared import SamplingParams
+
+PP = introducing("pipeline_parallel")
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONS = dict(device="cpu", dtype="float32")
+
+
+def parallel():
+    return step_module(PP, "parallel")
+
+
+def child_processes() -> set[int]:
+    """This process's live children, without multiprocessing's resource tracker (shared by everything that spawns)."""
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return children_of(os.getpid()) - {tracker}
+
+
+def prompts_with_a_shared_prefix(num: int) -> list[list[int]]:
+    """Prompts that share a 32-token prefix (two blocks of 16: prefix-cache hits), each with its own tail."""
+    g = torch.Generator().manual_seed(34)
+    prefix = torch.randint(0, 49152, (32,), generator=g).tolist()
+    return [prefix + torch.randint(0, 49152, (3 + 5 * i,), generator=g).tolist() for i in range(num)]
+
+
+# ---- the engine: the same tokens as one stage ---------------------------------------------------------------
+CASES = [
+    ("random:tiny-llama-5-layers", dict(pipeline_parallel_size=3)),  # 2, 2, 1 layers
+    ("random:tiny-qwen3", dict(pipeline_parallel_size=2)),
+    ("random:tiny-qwen3-moe", dict(pipeline_parallel_size=2)),  # 2, 1: the sparse layers on both stages
+    ("random:tiny-deepseek-v3", dict(pipeline_parallel_size=2)),  # latent attention's cache rows on each stage
+    ("random:tiny-qwen3", dict(pipeline_parallel_size=2, tensor_parallel_size=2)),  # 4 processes
+]
+
+
+@pytest.mark.parametrize("model,options", CASES, ids=[f"{m.split(':')[1]}-{'x'.join(map(str, o.values()))}"
+                                                      for m, o in CASES])
+def test_pp_equals_one_stage_batched_chunked_preempted_and_cached(model, options):
+    """Six prompts with a shared prefix, in a token budget of 24 (every prompt in chunks), two requests a batch, in a
+    pool of 10 blocks (the newest request is preempted): greedy tokens equal one stage's and logprobs within the
+    collectives' bound, seeded sampled tokens equal; prefix hits, chunks, preemptions and two batches in flight
+    counted on the pipelined engine."""
+    LLM = load_engine(PP).LLM
+    common = dict(OPTIONS, max_kv_tokens=160, max_num_batched_tokens=24, max_num_seqs=2, block_size=16,
+                  async_scheduling=True)
+    prompts = prompts_with_a_shared_prefix(6)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
+
+    def run(llm):
+        return (llm.generate(prompts[:1], greedy) + llm.generate(prompts[1:], greedy), llm.generate(prompts, seeded))
+
+    one = LLM(model, **common)
+    want, want_seeded = run(one)
+    one.shutdown()
+    llm = LLM(model, **common, **options)
+    try:
+        got, got_seeded = run(llm)
+        stats = llm.stats
+        assert stats["prefill_chunks"] > len(prompts) and llm.block_manager.stats["hits"] > 0
+        assert llm.scheduler.num_preemptions > 0
+        assert stats["most_batches_in_flight"] == options["pipeline_parallel_size"]
+        for a, b in zip(want, got):
+            compare_completions(a.outputs[0], b.outputs[0], TP_LOGPROB_ATOL_FP32, label=model)
+        assert [o.outputs[0].token_ids for o in want_seeded] == [o.outputs[0].token_ids for o in got_seeded]
+    finally:
+        llm.shutdown()
+    assert child_processes() == set()
+
+
+# ---- the batch queue ------------------------------------------------------------------------------------------
+def in_flight_walk(launches: list[tuple]) -> tuple[int, int]:
+    """Replay the core's record of launches and reads: each launch finds fewer than pp batches in flight and shares
+    no request with them, each read is of the oldest. -> (the most in flight at once, the launches made while the
+    batch before was still unread)."""
+    flight: dict[int, set] = {}
+    most = overlapped = 0
+    for kind, number, ids in launches:
+        if kind == "launch":
+            for other in flight.values():
+                assert not other & set(ids), f"batch {number} shares requests {other & set(ids)} with one in flight"
+            overlapped += (number - 1) in flight
+            flight[number] = set(ids)
+            most = max(most, len(flight))
+        else:
+            assert number == min(flight), f"batch {number} read before the older {min(flight)}"
+            del flight[number]
+    return most, overlapped
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_batches_overlap_up_to_pp_and_no_request_is_in_two(async_scheduling):
+    """Eight requests, two a batch, over 2 stages: with async_scheduling stage 0 launches batch k + 1 before batch k's
+    tokens come back from stage 1, never more than 2 batches are in flight and no request is in two; without it, one
+    batch at a time (the bubble the lesson counts)."""
+    LLM = load_engine(PP).LLM
+    llm = LLM("random:tiny-qwen3", **OPTIONS, max_kv_tokens=4096, max_num_seqs=2, pipeline_parallel_size=2,
+              async_scheduling=async_scheduling)
+    try:
+        prompts = prompts_with_a_shared_prefix(8)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+        most, overlapped = in_flight_walk(llm.core.launches)
+        assert llm.core.depth == (2 if async_scheduling else 1)
+        if async_scheduling:
+            assert most == 2 and overlapped > 0
+        else:
+            assert most == 1 and overlapped == 0
+        assert llm.stats["most_batches_in_flight"] == most
+        # every stage ran every batch, in order: the worker's forwards are rank 0's launches
+        report, = llm.core.workers.stages()
+        assert report["forwards"] == llm.stats["batches_launched"] == len(report["timeline"])
+    finally:
+        llm.shutdown()
+
+
+def test_each_rank_holds_its_layers_kv_and_sends_a_hidden_state_per_token():
+    """tiny-llama-5-layers over 3 stages (2, 2, 1 layers): each rank's KV cache is its layers' share of one stage's
+    bytes, and the streams sent across each boundary are hidden_size floats per token computed."""
+    LLM = load_engine(PP).LLM
+    one = LLM("random:tiny-llama-5-layers", **OPTIONS, max_kv_tokens=1024)
+    whole = one.core.runner.kv_cache.nbytes
+    one.shutdown()
+    llm = LLM("random:tiny-llama-5-layers", **OPTIONS, max_kv_tokens=1024, pipeline_parallel_size=3)
+    try:
+        out = llm.generate(prompts_with_a_shared_prefix(2), SamplingParams(temperature=0, max_tokens=4))
+        reports = [dict(stage=0, layers=(0, 2), kv_bytes=llm.core.runner.kv_cache.nbytes,
+                        bytes_sent=llm.core.pipe.bytes_sent, bytes_received=0)] + llm.core.workers.stages()
+        assert [r["layers"] for r in reports] == [(0, 2), (2, 4), (4, 5)]
+        assert [r["kv_bytes"] for r in reports] == [whole * 2 // 5, whole * 2 // 5, whole // 5]
+        # every token computed crosses each boundary once, as hidden_size float32s
+        tokens = sum(len(o.prompt_token_ids) for o in out) + sum(len(o.outputs[0].token_ids) - 1 for o in out)
+        per_token = llm.model.config.hidden_size * 4
+        assert [r["bytes_sent"] for r in reports] == [tokens * per_token, tokens * per_token, 0]
+        assert [r["bytes_received"] for r in reports] == [0, tokens * per_token, tokens * per_token]
+        assert "rank 2 = stage 2 tp 0 (layers 4-4)" in llm.backend
+    finally:
+        llm.shutdown()
+
+
+# ---- the split, the layout, the refusals (no process started) -----------------------------------------------
+def test_the_layer_split_and_the_layout():
+    p = parallel()
+    assert p.stage_layers(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert p.stage_layers(28, 3) == [range(0, 9), range(9, 19), range(19, 28)]  # the extra layer not on the ends
+    assert p.stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert p.stage_layers(5, 3, "1,1,3") == p.stage_layers(5, 3, [1, 1, 3]) == [range(0, 1), range(1, 2), range(2, 5)]
+    for bad in ("2,2", "1,1,2", "0,2,3", "a,b,c"):
+        with pytest.raises(ValueError, match="pp_layer_partition"):
+            p.stage_layers(5, 3, bad)
+    layout = p.Layout(2, 2, 4)
+    assert [layout.place(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert layout.describe().startswith("rank 0 = stage 0 tp 0 (layers 0-1); rank 1 = stage 0 tp 1 (layers 0-1); "
+                                        "rank 2 = stage 1 tp 0 (layers 2-3)")
+    assert p.idle_shares([[(0.0, 1.0), (2.0, 3.0)], [(1.0, 2.0), (3.0, 4.0)]]) == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("options,expected", [
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be a positive int"),
+    (dict(pipeline_parallel_size=3), "the model has 2 layers"),
+    (dict(pipeline_parallel_size=2, pp_layer_partition="2,1"), "pp_layer_partition='2,1'"),
+    (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "speculative_config=.* with pipeline_parallel_size=2"),
+    (dict(pipeline_parallel_size=2, kv_offloading_size=0.01), "kv_offloading_size=0.01 with pipeline_parallel_size=2"),
+    (dict(pipeline_parallel_size=2, distributed_executor_backend="ray"), "distributed_executor_backend"),
+])
+def test_bad_pipeline_options_are_refused_before_any_process_starts(options, expected):
+    before = child_processes()
+    with pytest.raises(ValueError, match=expected):
+        load_engine(PP).LLM("random:tiny-llama", **OPTIONS, **options)
+    assert child_processes() == before
+
+
+# ---- torchrun: two nodes on one machine ------------------------------------------------------------------------
+def test_two_torchrun_nodes_give_one_stages_tokens():
+    """`torchrun --nnodes 2 --nproc-per-node 1 --node-rank R --master-addr 127.0.0.1 steps/step34/run.py`, as two
+    processes: node 0's rank 0 is the engine, node 1's rank 1 serves stage 1; the engine's line names the launcher
+    and the mapping, the run's tokens equal step33's (one stage: before_after's check), and both nodes exit 0."""
+    port = parallel().free_port()
+    args = ["--model", "random:tiny-llama", "--device", "cpu", "--max-tokens", "4", "--lesson-tokens", "4",
+            "--requests", "2"]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               f"steps/{PP}/run.py", *args], cwd=ROOT, env=shell_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        results = [node.communicate(timeout=400) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (out, err) in zip(nodes, results):
+        assert node.returncode == 0, err[-3000:]
+    out = results[0][0]
+    assert "started by external_launcher" in out
+    assert "[rank 0 = stage 0 tp 0 (layers 0-0); rank 1 = stage 1 tp 0 (layers 1-1)]" in out
+    assert "The outputs are equal, token for token" in out, out[-3000:]
+    assert re.search(r"\d+ batches; [1-9]\d* launched on stage 0 while the batch before", out), out[-3000:]
+
+
+# ---- a stage that dies ---------------------------------------------------------------------------------------------
+def test_a_killed_stage_is_an_error_on_rank_0_not_a_hang():
+    """Three stages; stage 1's worker killed in the middle of a run: rank 0 raises WorkerError naming the worker well
+    before the collectives' timeout, the engine stays stopped, and shutdown leaves no worker (stage 2's, whose peer
+    went away, included)."""
+    LLM, p = load_engine(PP).LLM, parallel()
+    llm = LLM("random:tiny-llama-5-layers", **OPTIONS, max_kv_tokens=16384, pipeline_parallel_size=3,
+              async_scheduling=True, max_num_seqs=2)
+    try:
+        assert llm.generate(["hello"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+        killer = threading.Timer(1.0, os.kill, (llm.workers.pids[0], signal.SIGKILL))
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(p.WorkerError, match=r"worker 1 \(stage 1"):
+            llm.generate(["hello"] * 8, SamplingParams(max_tokens=1500, ignore_eos=True))
+        assert time.monotonic() - start < p.TIMEOUT_S
+        killer.join()
+        with pytest.raises(p.WorkerError, match="shutdown"):
+            llm.generate(["hello"], SamplingParams(max_tokens=3))
+    finally:
+        llm.shutdown()
+    assert child_processes() == set()
