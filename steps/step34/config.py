@@ -194,7 +194,12 @@ class EngineConfig(EngineArgs):
         """The requests that hold a seat (and a block-table row) at once: max_num_seqs in each batch, and with several
         stages up to `pipeline_parallel_size` batches of distinct requests in flight (async_scheduling), so that many
         times max_num_seqs (vLLM's pipeline gave each of its virtual engines a scheduler of max_num_seqs)."""
-        return self.max_num_seqs * (self.pipeline_parallel_size if self.async_scheduling else 1)
+        return self.max_num_seqs * self.batches_in_flight
+
+    @property
+    def batches_in_flight(self) -> int:
+        """The batches the core keeps in flight: one per stage with async_scheduling, else one."""
+        return self.pipeline_parallel_size if self.async_scheduling else 1
 
     @property
     def world_size(self) -> int:

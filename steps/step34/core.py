@@ -91,7 +91,7 @@ class EngineCore:
         self.pipe = Pipeline()  # one stage (every layer) unless pipeline_parallel_size > 1
         # pipeline parallel: the steps launched and not read yet, oldest first (vLLM's batch queue), at most `depth`
         self.batches: deque = deque()
-        self.depth = config.pipeline_parallel_size if self.async_scheduling else 1
+        self.depth = config.batches_in_flight
         self.launches: list[tuple] = []  # ("launch" | "read", batch number, its request ids), in order (pp > 1)
         if config.world_size == 1:
             self.tp = TensorParallel()
@@ -131,7 +131,7 @@ class EngineCore:
                                           on_trim=lambda r: tables.trim(r.request_id, len(r.block_table)),
                                           host=self.host_tier)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
-                                   max_running=config.max_running_seqs)
+                                   batches_in_flight=self.depth)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the group, and free the KV cache and the CUDA graphs' memory

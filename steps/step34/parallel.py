@@ -310,9 +310,17 @@ class Pipeline:
         """The rank that samples: the last stage's tp rank 0 (rank 0 when there is one stage)."""
         return self.is_last and self.tp_rank == 0
 
-    def _keep(self, work, *buffers) -> None:
+    def _isend(self, tensor: torch.Tensor, dst: int, group, tag: int = 0) -> None:
+        """Send without waiting for it (the tensor kept until the send completes). Under torch.profiler the send
+        waits: the profiler's records of gloo's asynchronous sends crash the process when they are freed (torch 2.x),
+        so a profiled run trades the overlap for a trace."""
+        import torch.distributed as dist
+
+        if torch.autograd.profiler._is_profiler_enabled:
+            dist.send(tensor, dst, group=group, tag=tag)
+            return
         self.pending = [(w, b) for w, b in self.pending if not w.is_completed()]
-        self.pending.append((work, buffers))
+        self.pending.append((dist.isend(tensor, dst, group=group, tag=tag), tensor))
 
     def wait_sent(self) -> None:
         for work, _ in self.pending:
@@ -321,11 +329,9 @@ class Pipeline:
 
     # ---- the residual stream between stages ---------------------------------------------------------------
     def send_hidden(self, x: torch.Tensor) -> None:
-        import torch.distributed as dist
 
         x = x.contiguous()
-        peer = self.layout.rank(self.stage + 1, self.tp_rank)
-        self._keep(dist.isend(x, peer, group=self.hidden_group), x)
+        self._isend(x, self.layout.rank(self.stage + 1, self.tp_rank), self.hidden_group)
         self.bytes_sent += x.numel() * x.element_size()
 
     def recv_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -340,25 +346,20 @@ class Pipeline:
     def send_step(self, kind: int, packed: torch.Tensor, sampling: bytes | None = None) -> None:
         """Rank 0: the step to every other rank: [kind, plan's numel, sampling's bytes], then the plan (int64) and,
         to the rank that samples, the sampling (a pickled list, as uint8)."""
-        import torch.distributed as dist
-
         sampler = self.layout.rank(self.size - 1, 0)
-        blob = torch.frombuffer(bytearray(sampling), dtype=torch.uint8) if sampling else None
+        blob = bytes_tensor(sampling) if sampling else None
         for rank in range(1, self.layout.world):
             extra = blob if rank == sampler and blob is not None else None
             header = torch.tensor([kind, packed.numel(), 0 if extra is None else extra.numel()], dtype=torch.int64)
-            self._keep(dist.isend(header, rank, group=self.idle), header)
-            self._keep(dist.isend(packed, rank, group=self.idle), packed)
+            self._isend(header, rank, self.idle)
+            self._isend(packed, rank, self.idle)
             if extra is not None:
-                self._keep(dist.isend(extra, rank, group=self.idle), extra)
+                self._isend(extra, rank, self.idle)
 
     def send_word(self, kind: int, word: int = 0) -> None:
         """Rank 0: a header with no plan (STOP, or ASK with what is asked) to every other rank."""
-        import torch.distributed as dist
-
         for rank in range(1, self.layout.world):
-            header = torch.tensor([kind, word, 0], dtype=torch.int64)
-            self._keep(dist.isend(header, rank, group=self.idle), header)
+            self._isend(torch.tensor([kind, word, 0], dtype=torch.int64), rank, self.idle)
 
     def recv_step(self) -> tuple[int, torch.Tensor | None, bytes | None]:
         """A worker: the next header from rank 0 and what follows it -> (kind, the packed plan or the word asked,
@@ -381,9 +382,7 @@ class Pipeline:
 
     def send_results(self, values: torch.Tensor) -> None:
         """The rank that samples: a step's tokens (and logprobs) to rank 0, float64."""
-        import torch.distributed as dist
-
-        self._keep(dist.isend(values, 0, group=self.control, tag=RESULTS_TAG), values)
+        self._isend(values, 0, self.control, RESULTS_TAG)
 
     def expect_results(self, numel: int):
         """Rank 0: post the receive of a step's results (numel float64 values) now; -> (work, buffer): wait, read."""
@@ -396,7 +395,7 @@ class Pipeline:
         """A worker's answer to rank 0's question (pickled): its size, then its bytes."""
         import torch.distributed as dist
 
-        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        data = bytes_tensor(blob)
         dist.send(torch.tensor([data.numel()], dtype=torch.int64), 0, group=self.control, tag=REPLY_TAG)
         dist.send(data, 0, group=self.control, tag=REPLY_TAG)
 
@@ -422,6 +421,13 @@ def idle_shares(timelines: list[list[tuple[float, float]]]) -> list[float]:
     begin = min(start for line in timelines for start, _ in line)
     end = max(stop for line in timelines for _, stop in line)
     return [1 - sum(stop - start for start, stop in line) / (end - begin) for line in timelines]
+
+
+def bytes_tensor(blob: bytes) -> torch.Tensor:
+    """Bytes -> a uint8 tensor that owns a copy of them (what a send needs alive until it completes)."""
+    import numpy as np
+
+    return torch.from_numpy(np.frombuffer(blob, dtype=np.uint8).copy())
 
 
 def connect(rank: int, layout: Layout, init_method: str, device: torch.device,

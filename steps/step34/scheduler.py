@@ -111,11 +111,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager, max_running: int | None = None):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager, batches_in_flight: int = 1):
         self.max_num_seqs = max_num_seqs  # the requests of one step
-        # the requests that hold a seat: max_num_seqs, or with several pipeline stages one step's for each batch in
-        # flight (config.py's max_running_seqs)
-        self.max_running = max_running or max_num_seqs
+        self.batches_in_flight = batches_in_flight  # with several pipeline stages, up to pp (core.py's depth)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = block_manager
         self.num_preemptions = 0
@@ -131,6 +129,11 @@ class Scheduler:
         request.status = SequenceStatus.WAITING
         self.waiting.append(request)
         self.requests[request.request_id] = request
+
+    @property
+    def max_running(self) -> int:
+        """The requests that hold a seat: max_num_seqs for each batch in flight (config.py's max_running_seqs)."""
+        return self.max_num_seqs * self.batches_in_flight
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

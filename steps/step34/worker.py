@@ -23,6 +23,7 @@ the attention backends and parallel.py; none of those imports it back.
 """
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import threading
@@ -178,6 +179,9 @@ def start_workers(config: EngineConfig, device: torch.device):
 
 def stop_workers(workers: Workers, tp: TensorParallel) -> None:
     workers.shutdown()
+    # garbage that still holds a send's or a receive's handle is freed while its group lives (a handle freed after
+    # the group is gone crashes the process: torch.profiler's records of the calls keep them in reference cycles)
+    gc.collect()
     close_group()
 
 
@@ -246,7 +250,7 @@ class Workers:
             if not p.is_alive():
                 break
         self.check_alive()
-        self._fail(f"worker {rank} (pid {p.pid}) did not get {word} within {self.timeout_s:.0f} s")
+        self._fail(f"{self.name(rank, p)} did not get {word} within {self.timeout_s:.0f} s")
 
     def _fail(self, error: WorkerError | str):
         error = error if isinstance(error, WorkerError) else WorkerError(error)
@@ -261,9 +265,11 @@ class Workers:
         return (WorkerValueError if value_error else WorkerError)(f"{self.name(rank, p)} failed:\n{text}")
 
     def name(self, rank: int, p=None) -> str:
+        pid = f"pid {p.pid}" if p is not None else "started by torchrun"
+        if self.layout.pp == 1:
+            return f"tensor-parallel worker {rank} ({pid})"
         stage, tp_rank = self.layout.place(rank)
-        where = f"stage {stage}, tp rank {tp_rank}" if self.layout.pp > 1 else "tensor-parallel"
-        return f"worker {rank} ({where}{f', pid {p.pid}' if p is not None else ''})"
+        return f"worker {rank} (stage {stage}, tp rank {tp_rank}, {pid})"
 
     def stop_steps(self, reason: WorkerError | str) -> None:
         """No step may run any more (the ranks are out of step): every later step raises WorkerError(reason)."""
