@@ -93,8 +93,9 @@ def show_lesson(llm, args) -> None:
           ", ".join(f"stage {s} {share:.0%}" for s, share in enumerate(shares)))
     c, size = core.model.config, core.runner.dtype.itemsize
     print(f"\nA token crosses each stage boundary once: {c.hidden_size} x {size} bytes = {c.hidden_size * size} bytes "
-          f"(the residual stream). Tensor parallelism over the same {c.num_layers} layers all-reduces it twice a "
-          f"layer: {2 * c.num_layers * c.hidden_size * size} bytes a token on each rank.")
+          "(the residual stream).\n"
+          f"Tensor parallelism over the same {c.num_layers} layers all-reduces it twice a layer: "
+          f"{2 * c.num_layers * c.hidden_size * size} bytes a token on each rank.")
     before_after("step33", "step34", llm, args)  # one stage (step33) and these stages: the same tokens
 
 
