@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TP_LOGPROB_ATOL_FP32, children_of, compare_completions, load_engine, shell_env, step_module
+from helpers import TP_LOGPROB_ATOL_FP32, alive, children_of, compare_completions, load_engine, shell_env, step_module
 from registry import introducing
 from shared import SamplingParams
 
@@ -249,3 +249,75 @@ def test_a_killed_stage_is_an_error_on_rank_0_not_a_hang():
     finally:
         llm.shutdown()
     assert child_processes() == set()
+
+
+# ---- the core process and the server -----------------------------------------------------------------------------
+def test_the_server_with_two_stages_answers_with_its_key_and_a_dead_stage_is_a_503():
+    """serve.py as a command with --pipeline-parallel-size 2 and --api-key: the engine core's process runs the
+    stages' rank 0 and spawns stage 1; a request without the key is refused, one with it gets one stage's greedy
+    text; then stage 1's worker is killed: the core dies (no step runs without a stage), the request it died under
+    says which worker, every later one is a 503, /health too, and SIGINT ends the server with no process of it left."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    want = load_engine(PP).LLM("random:tiny-llama", **OPTIONS).generate(
+        ["hello"], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text
+    port = parallel().free_port()
+    proc = subprocess.Popen([sys.executable, f"steps/{PP}/serve.py", "--model", "random:tiny-llama", "--port",
+                             str(port), "--device", "cpu", "--pipeline-parallel-size", "2", "--api-key", "sekret"],
+                            cwd=ROOT, env=shell_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer sekret"}
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "serve.py did not start"
+            time.sleep(0.2)
+        body = {"model": "random:tiny-llama", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(f"{base}/v1/completions", json=body, headers=key, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+        core = httpx.get(f"{base}/stats", headers=key, timeout=10).json()["core_pid"]
+        workers = children_of(core)
+        assert len(workers) == 1, workers  # stage 1's worker, the core's child
+        os.kill(workers.pop(), signal.SIGKILL)
+        r = httpx.post(f"{base}/v1/completions", json=body, headers=key, timeout=60)
+        # the request the core died under names the stage; every later one is a 503
+        assert r.status_code in (500, 503) and "worker 1 (stage 1, tp rank 0" in r.text, r.text
+        assert httpx.post(f"{base}/v1/completions", json=body, headers=key, timeout=60).status_code == 503
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 503
+        tree = children_of(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        assert not [pid for pid in tree if alive(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+
+@pytest.mark.parametrize("options", [dict(quantization="int4"), dict(quantization="fp8"),
+                                     dict(kv_cache_dtype="int8"), dict(kv_cache_dtype="fp8")],
+                         ids=["int4-weights", "fp8-weights", "int8-cache", "fp8-cache"])
+def test_quantized_weights_and_caches_run_in_stages(options):
+    """4-bit and FP8 weights, int8 and FP8 caches: two stages give one stage's greedy tokens under the same option
+    (each stage quantizes its own layers; an int8 cache's scales and an FP8 cache's per-layer scales are its layers')."""
+    LLM = load_engine(PP).LLM
+    prompts = prompts_with_a_shared_prefix(3)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one = LLM("random:tiny-llama-5-layers", **OPTIONS, max_kv_tokens=1024, **options)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, sp)]
+    whole = one.core.runner.kv_cache.nbytes
+    one.shutdown()
+    llm = LLM("random:tiny-llama-5-layers", **OPTIONS, max_kv_tokens=1024, pipeline_parallel_size=2, **options)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+        stage1, = llm.core.workers.stages()  # 3 + 2 layers: each stage's cache (with its scales) is its share
+        assert (llm.core.runner.kv_cache.nbytes, stage1["kv_bytes"]) == (whole * 3 // 5, whole * 2 // 5)
+    finally:
+        llm.shutdown()

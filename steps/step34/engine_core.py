@@ -24,7 +24,8 @@ error in a step fails the request that failed it alone (EngineCore._fail_step: t
 are put back, each to run alone until it gets a token, so that a request whose own inputs fail a step fails alone),
 and the core serves on. The core dies when it can no longer serve:
 an IO thread died (it no longer hears the front end, or can no longer answer it), a step raised a device error
-(CUDA's errors are sticky: every later step would fail too), or its loop failed outside a step. It then sends a
+(CUDA's errors are sticky: every later step would fail too) or a WorkerError (a worker, a pipeline stage's or a
+tensor-parallel rank's, is gone: no step can run without it), or its loop failed outside a step. It then sends a
 fatal Error (if its output thread still can) and exits with status 1; the front end ends every open stream. The
 core watches its parent: when the front end dies (its parent pid changes) the core exits, and with it its workers.
 run_engine_core() is the process's entry point (multiprocessing, spawn method).
@@ -48,6 +49,7 @@ from shared.threads import threads_cpu_s
 
 from .config import EngineConfig
 from .core import EngineCore
+from .parallel import WorkerError
 from .wire import PROTOCOL_VERSION, Abort, Add, Delta, Error, GetStats, Outputs, Ready, Stats, ToCore
 
 
@@ -116,6 +118,8 @@ class EngineCoreProc:
                 # gets the error; the requests of a step of several were put back, each to run alone
                 if is_device_error(e):  # every later step would fail too
                     raise CoreFatalError(f"a device error in a step: {type(e).__name__}: {e}") from e
+                if isinstance(e, WorkerError):  # a rank (a stage's, or a tensor-parallel one) is gone: so is the engine
+                    raise CoreFatalError(f"a worker failed: {e}") from e
                 self.stats["failed_steps"] += 1
                 dropped = [rid for rid in self.sent if rid not in core.scheduler.requests]
                 message = f"the engine step failed: {type(e).__name__}: {e}"
