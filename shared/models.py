@@ -96,6 +96,13 @@ RANDOM_SHAPES: dict[str, dict] = {
         rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32,
                           beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
     ),
+    # Qwen3-8B's published shape (8.2 B weights, stored in bfloat16: 16 GB): for the multi-GPU run, a model whose
+    # weights and cache fill two GPUs' memory better than Qwen3-0.6B's
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, stored_dtype="bfloat16",
+    ),
     "qwen3-0.6b": dict(
         model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,

@@ -321,3 +321,47 @@ def test_quantized_weights_and_caches_run_in_stages(options):
         assert (llm.core.runner.kv_cache.nbytes, stage1["kv_bytes"]) == (whole * 3 // 5, whole * 2 // 5)
     finally:
         llm.shutdown()
+
+
+# ---- on several GPUs (the multi-GPU run) ------------------------------------------------------------------------
+GPU_LAYOUTS = [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2),
+               dict(tensor_parallel_size=2, pipeline_parallel_size=2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (run on a machine with several)")
+@pytest.mark.parametrize("options", GPU_LAYOUTS, ids=["pp2", "tp2", "tp2xpp2"])
+@pytest.mark.parametrize("model", ["random:qwen3-0.6b", "random:tiny-qwen3-moe", "random:tiny-deepseek-v3"])
+def test_on_gpus_the_split_gives_one_gpus_tokens(model, options):
+    """NCCL between the GPUs: pp=2, tp=2 and tp=2 x pp=2 (where four GPUs) give one GPU's tokens under the bf16 rule
+    the other GPU tests use (the first divergence a near-tie; logprobs close on average), and no worker is left."""
+    from helpers import BF16_LOGPROB_MAX_ATOL, BF16_LOGPROB_MEAN_ATOL
+
+    world = options.get("tensor_parallel_size", 1) * options.get("pipeline_parallel_size", 1)
+    if world > torch.cuda.device_count():
+        pytest.skip(f"needs {world} GPUs")
+    if "deepseek" in model and options.get("tensor_parallel_size", 1) > 1:
+        pytest.skip("latent attention runs on one tensor-parallel rank in this step (refused by name)")
+    LLM = load_engine(PP).LLM
+    prompts = prompts_with_a_shared_prefix(8)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    one = LLM(model, device="cuda", max_kv_tokens=16384)
+    want = one.generate(prompts, sp)
+    one.shutdown()
+    llm = LLM(model, device="cuda", max_kv_tokens=16384, async_scheduling=True, max_num_seqs=4, **options)
+    try:
+        got = llm.generate(prompts, sp)
+        if options.get("pipeline_parallel_size", 1) > 1:
+            assert llm.stats["most_batches_in_flight"] == 2
+        diffs = []
+        for a, b in zip(want, got):  # the vLLM rule at the first divergence, and every logprob before it
+            compare_completions(a.outputs[0], b.outputs[0], BF16_LOGPROB_MAX_ATOL, exact=False, label=model)
+            for ta, tb, la, lb in zip(a.outputs[0].token_ids, b.outputs[0].token_ids, a.outputs[0].logprobs,
+                                      b.outputs[0].logprobs):
+                if ta != tb:
+                    break
+                diffs.append(abs(la[ta] - lb[tb]))
+        assert sum(diffs) / len(diffs) <= BF16_LOGPROB_MEAN_ATOL
+    finally:
+        llm.shutdown()
+    assert child_processes() == set()

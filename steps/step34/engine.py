@@ -45,6 +45,9 @@ def describe_scheduling(config: EngineConfig) -> str:
     """The scheduling's part of the engine's line: overlapped (async) or not."""
     if not config.async_scheduling:
         return "scheduling: sync (each step's tokens read before the next step is scheduled)"
+    if config.pipeline_parallel_size > 1:  # the stages are processes of their own: they overlap on a CPU too
+        return (f"scheduling: async (up to {config.pipeline_parallel_size} batches of distinct requests in flight, "
+                "one a stage)")
     return ("scheduling: async (step N + 1 launched before step N's tokens are read"
             f"{'; one stream on the CPU: the order, no overlap' if config.device.type != 'cuda' else ''})")
 
