@@ -268,6 +268,16 @@ def children_of(pid: int) -> set[int]:
             and (f := stat_fields(e.name)) is not None and f[1] == str(pid) and f[0] != "Z"}
 
 
+def child_processes() -> set[int]:
+    """The live children of this process, read from /proc, leaving out multiprocessing's resource tracker (a helper
+    the spawn method starts once per process, shared by everything that spawns; not an engine's worker)."""
+    import os
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return children_of(os.getpid()) - {tracker}
+
+
 def alive(pid: int) -> bool:
     """pid exists and has not exited (a zombie has exited: it waits only to be reaped)."""
     fields = stat_fields(pid)

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TP_LOGPROB_ATOL_FP32, alive, children_of, compare_completions, load_engine, shell_env, step_module
+from helpers import (TP_LOGPROB_ATOL_FP32, alive, child_processes, children_of, compare_completions, load_engine,
+                     shell_env, step_module)
 from registry import introducing
 from shared import SamplingParams
 
@@ -36,14 +37,6 @@ OPTIONS = dict(device="cpu", dtype="float32")
 
 def parallel():
     return step_module(PP, "parallel")
-
-
-def child_processes() -> set[int]:
-    """This process's live children, without multiprocessing's resource tracker (shared by everything that spawns)."""
-    from multiprocessing import resource_tracker
-
-    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return children_of(os.getpid()) - {tracker}
 
 
 def prompts_with_a_shared_prefix(num: int) -> list[list[int]]:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (TP_LOGPROB_ATOL_FP32, RowWrites, alive, children_of, compare_completions, edited_model,
+from helpers import (TP_LOGPROB_ATOL_FP32, RowWrites, alive, child_processes, compare_completions, edited_model,
                      load_engine, shell_env, step_module)
 from registry import having, introducing, last_before, lesson_and_newest
 from shared import SamplingParams, resolve_model
@@ -38,15 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def parallel():
     return step_module(TP, "parallel")
-
-
-def child_processes() -> set[int]:
-    """The live children of this process, read from /proc, leaving out multiprocessing's resource tracker (a helper
-    the spawn method starts once per process, shared by everything that spawns; not an engine's worker)."""
-    from multiprocessing import resource_tracker
-
-    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return children_of(os.getpid()) - {tracker}
 
 
 # ---- the loader -----------------------------------------------------------------------------------------
