@@ -122,3 +122,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # prefill and decode apart (step35): a kv_producer's answer, what the decode engine needs to pull the prompt's KV
+    kv_transfer_params: dict | None = None

@@ -619,6 +619,26 @@ MUTATIONS = [
         "                continue\n",
         "",
         ("tests/test_part11_pp.py::test_batches_overlap_up_to_pp_and_no_request_is_in_two",)),
+    Mutation(
+        "step35-blocks-in-the-wrong-order", "step35's producer sends a request's blocks last first",
+        "steps/step35/kv_connector.py",
+        "            index = torch.tensor(lease.blocks[first:first + count])\n",
+        "            index = torch.tensor(lease.blocks[first:first + count][::-1])\n",
+        ("tests/test_part11_pd.py::test_the_consumer_decodes_from_the_producers_blocks_as_one_engine",)),
+    Mutation(
+        "step35-last-partial-block-dropped", "step35's consumer pulls the prompt's whole blocks only, not its last "
+        "partial one",
+        "steps/step35/core.py",
+        "        first, last = seq.num_computed_tokens // size, -(-prompt_len // size)\n",
+        "        first, last = seq.num_computed_tokens // size, prompt_len // size\n",
+        ("tests/test_part11_pd.py::test_the_consumer_decodes_from_the_producers_blocks_as_one_engine",)),
+    Mutation(
+        "step35-lease-never-freed", "step35's producer never frees a lent request's blocks (no ack, no expiry)",
+        "steps/step35/kv_connector.py",
+        "        for lease in freed:\n            release(lease.seq)\n",
+        "        for lease in freed:\n            self.leases[lease.seq.request_id] = lease\n",
+        ("tests/test_part11_pd.py::test_a_lease_that_is_never_acknowledged_expires_and_frees_the_blocks",
+         "tests/test_part11_pd.py::test_the_consumer_decodes_from_the_producers_blocks_as_one_engine")),
     # GPU: the CUDA-graph path fills placeholders' ids in the graphs' static inputs, a second site the CPU never runs
     Mutation(
         "step25-graph-pending-not-filled", "step25's CUDA graphs replay with a placeholder's input id (0) instead "

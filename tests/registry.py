@@ -144,6 +144,7 @@ step("step31", 10, adds=("moe",))
 step("step32", 10, adds=("kv_offload",))
 step("step33", 10, adds=("mla",))
 step("step34", 11, adds=("pipeline_parallel",))
+step("step35", 11, adds=("pd_disaggregation",))
 
 STEPS = [s.name for s in REGISTRY]
 BY_NAME = {s.name: s for s in REGISTRY}

@@ -148,7 +148,8 @@ LAYERS = [
      "wire",  # step26: the messages between the front end and the engine core
      "output",  # step26: Finish and the stop check (the offline engine's, the core's and the front end's)
      "engine_args",  # step25: every engine option written once (no torch: the server's flags are made from it)
-     "offload"},  # step32: the host tier under the prefix cache (the block manager calls it, the runner flushes it)
+     "offload",  # step32: the host tier under the prefix cache (the block manager calls it, the runner flushes it)
+     "kv_connector"},  # step35: the KV cache sent between a prefill engine and a decode engine
     {"model"},
     {"model_runner", "attention"},  # the runner and the attention backends that build its metadata
     {"config"},  # the engine's options, checked once (EngineConfig; step25 on): it imports the runner's CPU default
@@ -158,6 +159,7 @@ LAYERS = [
     {"engine_core"},  # the engine core process: a busy loop around an EngineCore (step26 on)
     {"async_llm"},  # the streaming engine (step23 on)
     {"serve", "bench_serve", "run", "__init__"},  # what a user runs, and the package's own file
+    {"router"},  # step35: the router in front of a prefill and a decode engine (it serves with serve.py's pieces)
 ]
 
 
