@@ -59,7 +59,7 @@ $(STAMP): $(TORCH_STAMP) pyproject.toml Makefile
 	@echo "    the first run converts the embedded model to safetensors once (it prints what it does)"
 
 demo: $(STAMP)
-	$(BIN)/python steps/step34/run.py
+	$(BIN)/python steps/step35/run.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_STEP) $(PYTEST_ARGS)

@@ -376,3 +376,43 @@ def test_the_router_gives_one_engines_answers_streamed_and_not(model):
                 proc.kill()
                 proc.wait()
     assert os.getpid() and all(proc.returncode is not None for proc, _ in procs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs two CUDA devices")
+def test_on_two_gpus_the_blocks_cross_by_nccl():
+    """The prefill engine on GPU 0, the decode engine on GPU 1 (each serve.py sees one GPU), router.py in front:
+    answers come back, the decode engine ran no prompt token and received the prompt's blocks (NCCL), both engines'
+    blocks are free afterwards, and the first token is the one a colocated engine on GPU 0 picks."""
+    httpx = pytest.importorskip("httpx")
+    model = "random:qwen3-0.6b"
+    engine = ["--model", model, "--device", "cuda", "--max-kv-tokens", "65536"]
+    procs = []
+    try:
+        for role, gpu in (("kv_producer", "0"), ("kv_consumer", "1")):
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+            try:
+                procs.append(serve(*engine, "--kv-transfer-config", json.dumps({"kv_role": role})))
+            finally:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+        procs.append(serve("--prefill", procs[0][1], "--decode", procs[1][1], script="router.py"))
+        prompt = " ".join(f"word{k}" for k in range(2000))
+        body = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                "logprobs": 1}
+        r = httpx.post(f"{procs[2][1]}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        ours = r.json()["choices"][0]["logprobs"]["tokens"]
+        one = load_engine(PD).LLM(model, device="cuda", max_kv_tokens=65536)
+        want = one.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0]
+        assert ours[0] == one.tokenizer.decode(want.token_ids)
+        stats = httpx.get(f"{procs[1][1]}/stats", timeout=10).json()
+        assert stats["engine"]["remote_prompt_tokens_computed"] == 0 and stats["engine"]["kv_received_bytes"] > 0
+        time.sleep(1)
+        for _, url in procs[:2]:
+            s = httpx.get(f"{url}/stats", timeout=10).json()
+            assert s["free_blocks"] == s["num_blocks"], (url, s)
+    finally:
+        for proc, _ in procs:
+            proc.send_signal(signal.SIGINT)
+        for proc, _ in procs:
+            proc.wait(timeout=60)

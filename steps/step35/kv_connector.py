@@ -108,12 +108,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def make_group(host: str, port: int, rank: int, timeout_s: float):
+def make_group(host: str, port: int, rank: int, timeout_s: float, device: torch.device):
     """A group of two (rank 0: the producer, which hosts the store) for one producer-consumer pair, apart from any
-    default group."""
+    default group: gloo between host memories, NCCL between GPUs (each engine's cache on its own GPU)."""
     import torch.distributed as dist
 
     store = dist.TCPStore(host, port, 2, rank == 0, timeout=timedelta(seconds=timeout_s))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this thread's device: the communicator's
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, 2, options), store
     return dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s)), store
 
 
@@ -207,7 +212,8 @@ class KVProducer:
             store_port = free_port(self.config.kv_host)
             self.sock.send_multipart([who, b"", encoder.encode({"ok": True, "engine_id": self.config.engine_id,
                                                            "store_port": store_port})])
-            self.groups[who] = make_group(self.config.kv_host, store_port, 0, self.config.kv_timeout_s)  # (group, store)
+            self.groups[who] = make_group(self.config.kv_host, store_port, 0, self.config.kv_timeout_s,
+                                          self.kv_cache.data.device)  # (group, its store)
         elif kind == "pull":
             self._pull(who, msg["request_id"], msg["first"], msg["count"], encoder)
         elif kind == "ack":
@@ -238,6 +244,8 @@ class KVProducer:
                 for layer in range(t.shape[1]):
                     rows = t[:, layer].index_select(1, index.to(t.device)).contiguous()
                     group.send([rows], 1, 0).wait()
+                    if rows.is_cuda:
+                        torch.cuda.current_stream(rows.device).synchronize()  # sent before the buffer goes
                     self.stats["kv_sent_bytes"] += rows.numel() * rows.element_size()
             self.stats["kv_sent_blocks"] += count
         finally:
@@ -289,7 +297,8 @@ class KVConsumer:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(f"tcp://{host}:{port}")
                 answer = self._ask(sock, {"kind": "hello", "identity": self.identity})
-                group, store = make_group(host, answer["store_port"], 1, self.config.kv_timeout_s)
+                group, store = make_group(host, answer["store_port"], 1, self.config.kv_timeout_s,
+                                          self.kv_cache.data.device)
                 link = self.links[(host, port)] = (sock, group, threading.Lock(), store)
             return link
 
@@ -302,6 +311,8 @@ class KVConsumer:
         return answer
 
     def _load(self, request_id: str, params: dict, first: int, local_blocks: list[int]) -> None:
+        if self.kv_cache.data.is_cuda:
+            torch.cuda.set_device(self.kv_cache.data.device)  # this thread's device
         try:
             sock, group, lock, _ = self._link(params["remote_host"], params["remote_port"])
             with lock:
@@ -314,9 +325,10 @@ class KVConsumer:
                 for t in cache_tensors(self.kv_cache) if local_blocks else ():
                     for layer in range(t.shape[1]):
                         view = t[:, layer]
-                        rows = torch.empty((view.shape[0], len(local_blocks), *view.shape[2:]), dtype=t.dtype)
+                        rows = torch.empty((view.shape[0], len(local_blocks), *view.shape[2:]), dtype=t.dtype,
+                                           device=t.device)
                         group.recv([rows], 0, 0).wait()
-                        view.index_copy_(1, index.to(t.device), rows.to(t.device))
+                        view.index_copy_(1, index.to(t.device), rows)
                         received += rows.numel() * rows.element_size()
                 self._ask(sock, {"kind": "ack", "request_id": remote_id})
             self.stats["kv_received_bytes"] += received
