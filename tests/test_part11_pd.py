@@ -184,12 +184,12 @@ from steps.{step} import kv_connector
 from steps.{step}.engine import LLM
 from shared import SamplingParams
 send = kv_connector.KVProducer._pull
-def dies(self, who, request_id, first, count, encoder):  # one layer's rows go, then the process ends
+def dies(self, who, request_id, first, blocks, encoder):  # one layer's rows go, then the process ends
     group = self.groups[who][0]
     self.sock.send_multipart([who, b"", encoder.encode({{"ok": True}})])
     t = kv_connector.cache_tensors(self.kv_cache)[0]
     import torch
-    rows = t[:, 0].index_select(1, torch.tensor(self.leases[request_id].blocks[first:first + count])).contiguous()
+    rows = t[:, 0].index_select(1, torch.tensor(blocks)).contiguous()
     group.send([rows], 1, 0).wait()
     os._exit(3)
 kv_connector.KVProducer._pull = dies
@@ -241,6 +241,12 @@ def test_a_block_the_producer_does_not_hold_and_engines_that_do_not_match_are_re
         out = consumer.generate(PROMPTS[:1], sp, [stranger])[0]
         assert out.outputs[0].finish_reason == "error"
         assert "no lease for request 'not-there'" in consumer.core.load_errors[out.request_id]
+        # a block the producer does not hold for that request
+        foreign = {**params, "remote_block_ids": [params["remote_block_ids"][0] + 1]}
+        out = consumer.generate(PROMPTS[:1], sp, [foreign])[0]
+        assert out.outputs[0].finish_reason == "error"
+        error = consumer.core.load_errors[out.request_id]
+        assert f"blocks 0 .. 0 are {params['remote_block_ids']}, not the {foreign['remote_block_ids']}" in error, error
         assert balanced(consumer)
         with pytest.raises(ValueError, match="remote blocks for a prompt of 10 tokens"):
             consumer.generate(PROMPTS[:1], sp, [{**params, "remote_block_ids": [1, 2]}])

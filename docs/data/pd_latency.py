@@ -136,7 +136,8 @@ def main() -> None:
     ratio = percentiles(results["apart"][0])[1] / percentiles(results["colocated"][0])[1]
     print(f"p99 apart / colocated: {ratio:.2f}x")
     print(f"The decode engine received {counters['kv_received_blocks']} blocks ({counters['kv_received_bytes']:,} bytes) "
-          f"in {counters['kv_loads']} transfers and computed {counters['remote_prompt_tokens_computed']} prompt tokens.")
+          f"in {counters['kv_loads']} transfers, {1000 * counters['kv_load_s'] / max(counters['kv_loads'], 1):.1f} ms "
+          f"each on average, and computed {counters['remote_prompt_tokens_computed']} prompt tokens.")
     same = results["colocated"][1] == results["apart"][1]
     print("The decoding streams' texts are " + ("equal in both setups." if same else "NOT equal."))
 

@@ -133,21 +133,7 @@ class EngineCore:
                                           host=self.host_tier)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    batches_in_flight=self.depth)
-        # prefill and decode apart (kv_connector.py): this engine's side of the transfer, if it has a role
-        transfer = config.kv_transfer_config
-        self.kv_role = transfer.kv_role if transfer is not None else None
-        self.producer = self.consumer = None
-        self.ready: list[RequestOutput] = []  # finished without a step: a first token that ends it, a failed load
-        self.load_errors: dict[str, str] = {}  # request id -> why its transfer failed (policy "fail")
-        self.loading: dict[str, Sequence] = {}  # a consumer's requests whose blocks are arriving
-        self.stats["remote_prompt_tokens_computed"] = 0  # a consumer's prompt tokens run here for transferred requests
-        if transfer is not None:
-            identity = identity_of(self.kv_cache, config.model, config.block_size)
-            if self.kv_role == "kv_producer":
-                self.producer = KVProducer(transfer, self.kv_cache, identity, self.stats)
-            else:
-                self.consumer = KVConsumer(transfer, self.kv_cache, identity, self.stats)
-                self.scheduler.on_admit = self._start_load
+        self._connect_transfer(config)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the group, and free the KV cache and the CUDA graphs' memory
@@ -202,6 +188,24 @@ class EngineCore:
         return seq
 
     # ---- prefill and decode apart ----------------------------------------------------------------------------------
+    def _connect_transfer(self, config: EngineConfig) -> None:
+        """This engine's side of the transfer (kv_connector.py), if its kv_transfer_config gives it a role."""
+        transfer = config.kv_transfer_config
+        self.kv_role = transfer.kv_role if transfer is not None else None
+        self.producer = self.consumer = None
+        self.ready: list[RequestOutput] = []  # finished without a step: a first token that ends it, a failed load
+        self.load_errors: dict[str, str] = {}  # request id -> why its transfer failed (policy "fail")
+        self.loading: dict[str, Sequence] = {}  # a consumer's requests whose blocks are arriving
+        self.stats["remote_prompt_tokens_computed"] = 0  # a consumer's prompt tokens run here for transferred requests
+        if transfer is None:
+            return
+        identity = identity_of(self.kv_cache, config.model, config.block_size)
+        if self.kv_role == "kv_producer":
+            self.producer = KVProducer(transfer, self.kv_cache, identity, self.stats)
+        else:
+            self.consumer = KVConsumer(transfer, self.kv_cache, identity, self.stats)
+            self.scheduler.on_admit = self._start_load
+
     def _start_from_first_tokens(self, seq: Sequence, transfer: dict) -> None:
         """A consumer's request starts with the producer's token(s) as its output, through the same stop checks."""
         now = time.perf_counter()

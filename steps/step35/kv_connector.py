@@ -215,7 +215,7 @@ class KVProducer:
             self.groups[who] = make_group(self.config.kv_host, store_port, 0, self.config.kv_timeout_s,
                                           self.kv_cache.data.device)  # (group, its store)
         elif kind == "pull":
-            self._pull(who, msg["request_id"], msg["first"], msg["count"], encoder)
+            self._pull(who, msg["request_id"], msg["first"], msg["blocks"], encoder)
         elif kind == "ack":
             self.events.put(("release", msg["request_id"]))
             self.stats["kv_leases_acked"] += 1
@@ -223,8 +223,10 @@ class KVProducer:
         else:
             raise ValueError(f"unknown message kind {kind!r}")
 
-    def _pull(self, who: bytes, request_id: str, first: int, count: int, encoder) -> None:
-        """Send blocks first .. first + count - 1 of the request's lease, each cache tensor layer by layer."""
+    def _pull(self, who: bytes, request_id: str, first: int, blocks: list[int], encoder) -> None:
+        """Send the request's lent blocks from its first-th on, the block ids the consumer names (its
+        kv_transfer_params' remote_block_ids: they must be the lease's own), each cache tensor layer by layer."""
+        count = len(blocks)
         if who not in self.groups:
             raise ValueError("pull before hello")
         group = self.groups[who][0]
@@ -236,6 +238,9 @@ class KVProducer:
             if first < 0 or count < 1 or first + count > len(lease.blocks):
                 raise ValueError(f"request {request_id!r} holds {len(lease.blocks)} blocks; blocks {first} .. "
                                  f"{first + count - 1} were asked for")
+            if lease.blocks[first:first + count] != blocks:
+                raise ValueError(f"request {request_id!r}'s blocks {first} .. {first + count - 1} are "
+                                 f"{lease.blocks[first:first + count]}, not the {blocks} asked for")
             lease.busy = True
         try:
             self.sock.send_multipart([who, b"", encoder.encode({"ok": True})])
@@ -265,7 +270,7 @@ class KVConsumer:
 
     def __init__(self, config: KVTransferConfig, kv_cache, identity: dict, stats: dict):
         self.config, self.kv_cache, self.identity, self.stats = config, kv_cache, identity, stats
-        stats.update(kv_received_bytes=0, kv_received_blocks=0, kv_loads=0, kv_load_failures=0)
+        stats.update(kv_received_bytes=0, kv_received_blocks=0, kv_loads=0, kv_load_failures=0, kv_load_s=0.0)
         self.ctx = zmq.Context()
         self.links: dict[tuple, tuple] = {}  # (host, port) -> (socket, group, lock, the group's store)
         self.links_lock = threading.Lock()
@@ -313,6 +318,7 @@ class KVConsumer:
     def _load(self, request_id: str, params: dict, first: int, local_blocks: list[int]) -> None:
         if self.kv_cache.data.is_cuda:
             torch.cuda.set_device(self.kv_cache.data.device)  # this thread's device
+        start = time.perf_counter()
         try:
             sock, group, lock, _ = self._link(params["remote_host"], params["remote_port"])
             with lock:
@@ -320,7 +326,7 @@ class KVConsumer:
                 received = 0
                 if local_blocks:  # none: this engine's prefix cache holds the whole prompt, the lease is only freed
                     self._ask(sock, {"kind": "pull", "request_id": remote_id, "first": first,
-                                     "count": len(local_blocks)})
+                                     "blocks": params["remote_block_ids"][first:first + len(local_blocks)]})
                 index = torch.tensor(local_blocks, dtype=torch.int64)
                 for t in cache_tensors(self.kv_cache) if local_blocks else ():
                     for layer in range(t.shape[1]):
@@ -333,6 +339,7 @@ class KVConsumer:
                 self._ask(sock, {"kind": "ack", "request_id": remote_id})
             self.stats["kv_received_bytes"] += received
             self.stats["kv_received_blocks"] += len(local_blocks)
+            self.stats["kv_load_s"] += time.perf_counter() - start  # the handshake (once a producer), pull and ack
             self.events.put(("loaded", request_id, received))
         except Exception as e:  # noqa: BLE001 (the policy decides: recompute or fail)
             self.stats["kv_load_failures"] += 1

@@ -49,14 +49,65 @@ def prefill_body(body: dict, chat: bool) -> dict:
     return first
 
 
+class Router:
+    """The two engines behind the router, and how a request goes to them."""
+
+    def __init__(self, prefill: str, decode: str):
+        self.prefill, self.decode = prefill.rstrip("/"), decode.rstrip("/")
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10))
+
+    async def health(self):
+        for url in (self.prefill, self.decode):
+            try:
+                if (await self.client.get(f"{url}/health", timeout=5)).status_code != 200:
+                    raise APIError(503, f"the engine at {url} is not healthy", kind="server_error")
+            except httpx.HTTPError:
+                raise APIError(503, f"the engine at {url} does not answer", kind="server_error") from None
+        return JSONResponse({"status": "ok"})
+
+    async def models(self):
+        r = await self.client.get(f"{self.decode}/v1/models")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    async def route(self, request: Request, path: str, chat: bool):
+        """The prefill engine first (one token, its blocks lent), then the decode engine with its answer's
+        kv_transfer_params; the decode engine's answer relayed, streamed or not."""
+        body, _ = parse_body(await request.body())
+        streamed, _ = streaming(body)
+        first = await self.client.post(f"{self.prefill}{path}", json=prefill_body(body, chat))
+        if first.status_code != 200:  # the prefill engine's error, as it gave it
+            return Response(first.content, status_code=first.status_code, media_type="application/json")
+        transfer = first.json().get("kv_transfer_params")
+        if transfer is None:
+            raise APIError(502, f"the engine at {self.prefill} answered without kv_transfer_params: is it a "
+                                "kv_producer?", kind="server_error")
+        second = {**body, "kv_transfer_params": transfer}
+        if not streamed:
+            r = await self.client.post(f"{self.decode}{path}", json=second)
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        upstream = await self.client.send(self.client.build_request("POST", f"{self.decode}{path}", json=second),
+                                          stream=True)
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            return Response(content, status_code=upstream.status_code, media_type="application/json")
+
+        async def relay():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:  # the client went away, or the stream ended: the decode engine's request ends with it
+                await upstream.aclose()
+        return StreamingResponse(relay(), media_type="text/event-stream")
+
+
 def build_router(prefill: str, decode: str, api_key: str | None = None) -> FastAPI:
-    prefill, decode = prefill.rstrip("/"), decode.rstrip("/")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10))
+    router = Router(prefill, decode)
 
     @asynccontextmanager
     async def lifespan(app):
         yield
-        await client.aclose()
+        await router.client.aclose()
 
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, title="llm-steps router", lifespan=lifespan)
 
@@ -76,57 +127,16 @@ def build_router(prefill: str, decode: str, api_key: str | None = None) -> FastA
         return JSONResponse(error.body(), status_code=502)
 
     app.add_middleware(RequireKey, server=RouterState(api_key))
-
-    @app.get("/health")
-    async def health():
-        for url in (prefill, decode):
-            try:
-                if (await client.get(f"{url}/health", timeout=5)).status_code != 200:
-                    raise APIError(503, f"the engine at {url} is not healthy", kind="server_error")
-            except httpx.HTTPError:
-                raise APIError(503, f"the engine at {url} does not answer", kind="server_error") from None
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/v1/models")
-    async def models():
-        r = await client.get(f"{decode}/v1/models")
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
-
-    async def route(request: Request, path: str, chat: bool):
-        body, _ = parse_body(await request.body())
-        streamed, _ = streaming(body)
-        first = await client.post(f"{prefill}{path}", json=prefill_body(body, chat))
-        if first.status_code != 200:  # the prefill engine's error, as it gave it
-            return Response(first.content, status_code=first.status_code, media_type="application/json")
-        transfer = first.json().get("kv_transfer_params")
-        if transfer is None:
-            raise APIError(502, f"the engine at {prefill} answered without kv_transfer_params: is it a kv_producer?",
-                           kind="server_error")
-        second = {**body, "kv_transfer_params": transfer}
-        if not streamed:
-            r = await client.post(f"{decode}{path}", json=second)
-            return Response(r.content, status_code=r.status_code, media_type="application/json")
-        upstream = await client.send(client.build_request("POST", f"{decode}{path}", json=second), stream=True)
-        if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
-            return Response(content, status_code=upstream.status_code, media_type="application/json")
-
-        async def relay():
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            finally:  # the client went away, or the stream ended: the decode engine's request ends with it
-                await upstream.aclose()
-        return StreamingResponse(relay(), media_type="text/event-stream")
+    app.add_api_route("/health", router.health, methods=["GET"])
+    app.add_api_route("/v1/models", router.models, methods=["GET"])
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await route(request, "/v1/completions", chat=False)
+        return await router.route(request, "/v1/completions", chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await route(request, "/v1/chat/completions", chat=True)
+        return await router.route(request, "/v1/chat/completions", chat=True)
 
     return app
 
