@@ -354,10 +354,18 @@ def test_the_router_gives_one_engines_answers_streamed_and_not(model):
                 text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
                                if line.startswith("data: {"))
             assert text == want.text
+        if model == "random:tiny-llama":  # the chat endpoint goes the same way: each engine applies the template
+            messages = [{"role": "user", "content": "What is the capital of France?"}]
+            sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+            want = one.chat([messages], sp)[0].outputs[0].text
+            r = httpx.post(f"{router}/v1/chat/completions", headers=key, timeout=120, json={
+                "model": model, "messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want, r.text
         assert httpx.post(f"{router}/v1/completions", json=body, timeout=30).status_code == 401
         engine_stats = httpx.get(f"{decode_url}/stats", timeout=10).json()
         assert engine_stats["engine"]["remote_prompt_tokens_computed"] == 0
-        assert engine_stats["engine"]["prefill_chunks"] == 0 and engine_stats["engine"]["kv_loads"] == 4
+        assert engine_stats["engine"]["prefill_chunks"] == 0
+        assert engine_stats["engine"]["kv_loads"] == 4 + (model == "random:tiny-llama")
         for _, url in procs[:2]:
             deadline = time.monotonic() + 10
             while True:  # the producer frees a lease when it hears the ack, between its steps
