@@ -282,3 +282,30 @@ def alive(pid: int) -> bool:
     """pid exists and has not exited (a zombie has exited: it waits only to be reaped)."""
     fields = stat_fields(pid)
     return fields is not None and fields[0] != "Z"
+
+
+def start_server(step: str, *args, script: str = "serve.py", env: dict | None = None, timeout_s: float = 180):
+    """steps/<step>/<script> (serve.py, or step35's router.py) run as a command on a free port, once it answers
+    /health: -> (the process, its base URL). Its stdout and stderr are pipes; the caller ends it."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    port = importlib.import_module(f"steps.{step}.parallel").free_port()
+    proc = subprocess.Popen([sys.executable, f"steps/{step}/{script}", "--port", str(port), *args],
+                            cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{script} {args} did not start"
+        time.sleep(0.2)
+

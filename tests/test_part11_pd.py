@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TP_LOGPROB_ATOL_FP32, child_processes, load_engine, shell_env, step_module
+from helpers import TP_LOGPROB_ATOL_FP32, child_processes, load_engine, shell_env, start_server, step_module
 from registry import introducing
 from shared import SamplingParams
 
@@ -302,21 +302,8 @@ def test_options_a_transfer_does_not_run_with_are_refused_by_name():
 # ---- the router and the two engines as servers -----------------------------------------------------------------
 def serve(*args, script: str = "serve.py"):
     """serve.py (or router.py) as a command on a free port, once it answers /health -> (the process, its URL)."""
-    httpx = pytest.importorskip("httpx")
-    port = step_module(PD, "parallel").free_port()
-    proc = subprocess.Popen([sys.executable, f"steps/{PD}/{script}", "--port", str(port), *args], cwd=ROOT,
-                            env=shell_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, proc.communicate()
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"serve.py {args} did not start"
-        time.sleep(0.2)
+    pytest.importorskip("httpx")
+    return start_server(PD, *args, script=script, env=shell_env())
 
 
 @pytest.mark.parametrize("model", ["random:tiny-llama", "random:tiny-qwen3", "random:tiny-qwen3-moe",

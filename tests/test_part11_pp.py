@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from helpers import (TP_LOGPROB_ATOL_FP32, alive, child_processes, children_of, compare_completions, load_engine,
-                     shell_env, step_module)
+                     shell_env, start_server, step_module)
 from registry import introducing
 from shared import SamplingParams
 
@@ -254,22 +254,10 @@ def test_the_server_with_two_stages_answers_with_its_key_and_a_dead_stage_is_a_5
     pytest.importorskip("fastapi")
     want = load_engine(PP).LLM("random:tiny-llama", **OPTIONS).generate(
         ["hello"], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text
-    port = parallel().free_port()
-    proc = subprocess.Popen([sys.executable, f"steps/{PP}/serve.py", "--model", "random:tiny-llama", "--port",
-                             str(port), "--device", "cpu", "--pipeline-parallel-size", "2", "--api-key", "sekret"],
-                            cwd=ROOT, env=shell_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    base, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer sekret"}
+    proc, base = start_server(PP, "--model", "random:tiny-llama", "--device", "cpu", "--pipeline-parallel-size", "2",
+                              "--api-key", "sekret", env=shell_env())
+    key = {"Authorization": "Bearer sekret"}
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "serve.py did not start"
-            time.sleep(0.2)
         body = {"model": "random:tiny-llama", "prompt": "hello", "max_tokens": 4, "temperature": 0}
         assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 401
         r = httpx.post(f"{base}/v1/completions", json=body, headers=key, timeout=60)
@@ -286,6 +274,9 @@ def test_the_server_with_two_stages_answers_with_its_key_and_a_dead_stage_is_a_5
         tree = children_of(proc.pid)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+        deadline = time.monotonic() + 15  # a child sees its parent gone and exits a moment after it
+        while any(map(alive, tree)) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not [pid for pid in tree if alive(pid)]
     finally:
         if proc.poll() is None:
